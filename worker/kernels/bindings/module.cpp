@@ -1,0 +1,343 @@
+// specd/bindings/module.cpp: the only C++ <-> Python boundary. `worker/engine.py` is the
+// only importer. Converts Python values to the C++ structs, releases the GIL inside
+// every heavy call, and maps specd::Error to one Python exception (EngineError, a
+// subclass of worker.errors.SpecdError).
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <string>
+
+#include "common/parallel.h"
+#include "common/types.h"
+#include "cpu/matmul.h"
+#include "cpu/ops.h"
+#include "cpu/quants.h"
+#include "engine/engine.h"
+#include "engine/sampler.h"
+
+namespace py = pybind11;
+using namespace specd;
+
+namespace {
+
+using f32_array = py::array_t<float, py::array::c_style | py::array::forcecast>;
+using i32_array = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
+
+template <class T>
+T get_or(const py::dict& d, const char* key, T dflt) {
+  return d.contains(key) ? d[key].cast<T>() : dflt;
+}
+
+template <class T>
+T need(const py::dict& d, const char* key) {
+  if (!d.contains(key)) throw Error(std::string("model config is missing '") + key + "'");
+  return d[key].cast<T>();
+}
+
+SamplingParams sampling_from_dict(const py::dict& d) {
+  static const char* kKeys[] = {"temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                                "presence_penalty", "frequency_penalty", "seed"};
+  for (auto item : d) {
+    const auto key = item.first.cast<std::string>();
+    bool known = false;
+    for (const char* k : kKeys) known |= key == k;
+    if (!known) throw Error("unknown sampling parameter '" + key + "'");
+  }
+  SamplingParams p;
+  p.temperature = get_or<float>(d, "temperature", p.temperature);
+  p.top_k = get_or<int32_t>(d, "top_k", p.top_k);
+  p.top_p = get_or<float>(d, "top_p", p.top_p);
+  p.min_p = get_or<float>(d, "min_p", p.min_p);
+  p.repetition_penalty = get_or<float>(d, "repetition_penalty", p.repetition_penalty);
+  p.presence_penalty = get_or<float>(d, "presence_penalty", p.presence_penalty);
+  p.frequency_penalty = get_or<float>(d, "frequency_penalty", p.frequency_penalty);
+  p.seed = get_or<uint64_t>(d, "seed", p.seed);
+  p.validate();
+  return p;
+}
+
+ModelConfig config_from_dict(const py::dict& d) {
+  ModelConfig c;
+  const auto arch = need<std::string>(d, "arch");
+  if (arch == "llama") c.arch = Arch::Llama;
+  else if (arch == "qwen2") c.arch = Arch::Qwen2;
+  else if (arch == "qwen3") c.arch = Arch::Qwen3;
+  else throw Error("unsupported architecture '" + arch + "'; supported: llama, qwen2, qwen3");
+  c.n_layers = need<int32_t>(d, "n_layers");
+  c.dim = need<int32_t>(d, "dim");
+  c.n_heads = need<int32_t>(d, "n_heads");
+  c.n_kv_heads = need<int32_t>(d, "n_kv_heads");
+  c.head_dim = need<int32_t>(d, "head_dim");
+  c.ffn_dim = need<int32_t>(d, "ffn_dim");
+  c.n_vocab = need<int32_t>(d, "n_vocab");
+  c.n_ctx_train = need<int32_t>(d, "n_ctx_train");
+  c.norm_eps = need<float>(d, "norm_eps");
+  c.rope.n_dims = need<int32_t>(d, "rope_dims");
+  c.rope.freq_base = need<float>(d, "rope_base");
+  c.rope.freq_scale = get_or<float>(d, "rope_scale", 1.0f);
+  const auto mode = need<std::string>(d, "rope_mode");
+  if (mode == "normal") c.rope.mode = RopeMode::Normal;
+  else if (mode == "neox") c.rope.mode = RopeMode::Neox;
+  else throw Error("rope_mode must be 'normal' or 'neox', got '" + mode + "'");
+  c.validate();
+  return c;
+}
+
+// A buffer's bytes as (pointer, size); must be C-contiguous.
+std::pair<const uint8_t*, size_t> bytes_of(const py::buffer& b, const std::string& what) {
+  py::buffer_info info = b.request();
+  ssize_t expect = info.itemsize;
+  for (ssize_t i = info.ndim - 1; i >= 0; --i) {
+    if (info.strides[i] != expect) throw Error(what + ": buffer is not C-contiguous");
+    expect *= info.shape[i];
+  }
+  return {static_cast<const uint8_t*>(info.ptr), (size_t)(info.size * info.itemsize)};
+}
+
+// Engine + the Python objects owning the memory its tensors point into.
+struct PyEngine {
+  std::unique_ptr<Engine> engine;
+  py::list keep_alive;
+};
+
+WeightView weight_from(int32_t type, const py::buffer& data, int64_t n_in, int64_t n_out) {
+  const TypeTraits& t = type_traits(type);
+  auto [ptr, size] = bytes_of(data, "weight");
+  WeightView w;
+  w.type = t.type;
+  w.n_in = n_in;
+  w.n_out = n_out;
+  w.data = ptr;
+  w.row_stride = row_bytes(t.type, n_in);
+  if (size != w.row_stride * (size_t)n_out)
+    throw Error("weight buffer holds " + std::to_string(size) + " bytes, expected " +
+                std::to_string(w.row_stride * (size_t)n_out) + " for " + std::to_string(n_out) +
+                " rows of " + std::to_string(n_in) + " " + t.name + " elements");
+  return w;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_specd, m) {
+  m.doc() = "specd native engine (see worker/engine.py; do not import directly)";
+  py::object base = py::module_::import("worker.errors").attr("SpecdError");
+  py::register_exception<Error>(m, "EngineError", base);
+  m.attr("backend") = SPECD_BACKEND_NAME;
+  m.def("simd_path", &simd_path);
+  m.def("set_num_threads", &set_num_threads, py::arg("n"));
+  m.def("num_threads", &num_threads);
+  m.def("supported_types", &supported_type_names);
+
+  py::class_<PyEngine>(m, "Engine")
+      .def(py::init([](const py::dict& config, const py::list& tensors, const py::dict& options) {
+             auto pe = std::make_unique<PyEngine>();
+             ModelConfig cfg = config_from_dict(config);
+             std::vector<TensorRef> refs;
+             for (auto item : tensors) {
+               auto tup = item.cast<py::tuple>();
+               if (tup.size() != 4) throw Error("tensor entries are (name, type, ne, buffer)");
+               TensorRef r;
+               r.name = tup[0].cast<std::string>();
+               const TypeTraits& t = type_traits(tup[1].cast<int32_t>());
+               r.type = t.type;
+               r.ne = tup[2].cast<std::vector<int64_t>>();
+               auto [ptr, size] = bytes_of(tup[3].cast<py::buffer>(), r.name);
+               r.data = ptr;
+               r.nbytes = size;
+               int64_t rows = 1;
+               for (size_t i = 1; i < r.ne.size(); ++i) rows *= r.ne[i];
+               const size_t expect = r.ne.empty() ? 0 : row_bytes(r.type, r.ne[0]) * (size_t)rows;
+               if (expect != size)
+                 throw Error("tensor '" + r.name + "' holds " + std::to_string(size) +
+                             " bytes, its shape and type need " + std::to_string(expect) +
+                             " (truncated or corrupt file?)");
+               pe->keep_alive.append(tup[3]);
+               refs.push_back(std::move(r));
+             }
+             EngineOptions opt;
+             opt.n_ctx = get_or<int64_t>(options, "n_ctx", opt.n_ctx);
+             opt.n_threads = get_or<int32_t>(options, "n_threads", opt.n_threads);
+             opt.kv_f16 = get_or<std::string>(options, "kv_type", "f16") == "f16";
+             if (options.contains("kv_type")) {
+               const auto kv = options["kv_type"].cast<std::string>();
+               if (kv != "f16" && kv != "f32") throw Error("kv_type must be 'f16' or 'f32', got '" + kv + "'");
+             }
+             opt.max_batch = get_or<int64_t>(options, "max_batch", opt.max_batch);
+             {
+               py::gil_scoped_release nogil;
+               pe->engine = std::make_unique<Engine>(cfg, refs, opt);
+             }
+             return pe;
+           }),
+           py::arg("config"), py::arg("tensors"), py::arg("options") = py::dict())
+      .def_property_readonly("n_ctx", [](PyEngine& e) { return e.engine->n_ctx(); })
+      .def_property_readonly("n_vocab", [](PyEngine& e) { return e.engine->config().n_vocab; })
+      .def("new_sequence", [](PyEngine& e) { return e.engine->new_sequence(); })
+      .def("free_sequence", [](PyEngine& e, int32_t s) { e.engine->free_sequence(s); })
+      .def(
+          "prefill",
+          [](PyEngine& e, int32_t seq, const i32_array& tokens, bool all_logits, bool want_logits) {
+            const int64_t n = tokens.size();
+            const int64_t nv = e.engine->config().n_vocab;
+            py::array_t<float> out;
+            float* dst = nullptr;
+            if (want_logits) {
+              out = all_logits ? py::array_t<float>({n, nv}) : py::array_t<float>({nv});
+              dst = out.mutable_data();
+            }
+            const int32_t* tok = tokens.data();
+            {
+              py::gil_scoped_release nogil;
+              e.engine->prefill(seq, tok, n, dst, all_logits);
+            }
+            return want_logits ? py::object(out) : py::object(py::none());
+          },
+          py::arg("seq"), py::arg("tokens"), py::arg("all_logits") = false,
+          py::arg("want_logits") = true)
+      .def("set_sampling",
+           [](PyEngine& e, int32_t seq, const py::dict& p) {
+             e.engine->set_sampling(seq, sampling_from_dict(p));
+           })
+      .def("step",
+           [](PyEngine& e, int32_t seq) {
+             std::vector<int32_t> out;
+             {
+               py::gil_scoped_release nogil;
+               out = e.engine->step(seq);
+             }
+             return out;
+           })
+      .def("truncate", [](PyEngine& e, int32_t seq, int64_t n) { e.engine->truncate(seq, n); })
+      .def("stats", [](PyEngine& e, int32_t seq) {
+        const SeqStats s = e.engine->stats(seq);
+        py::dict d;
+        d["n_past"] = s.n_past;
+        d["n_prompt"] = s.n_prompt;
+        d["n_generated"] = s.n_generated;
+        d["n_steps"] = s.n_steps;
+        d["prefill_seconds"] = s.prefill_seconds;
+        d["decode_seconds"] = s.decode_seconds;
+        return d;
+      });
+
+  // ---- single ops, for tests and benchmarks (fresh random inputs vs numpy float64) ----
+  py::module_ ops = m.def_submodule("ops", "single CPU ops (tests compare them with numpy)");
+  ops.def("dequantize", [](int32_t type, const py::buffer& data, int64_t n) {
+    auto [ptr, size] = bytes_of(data, "data");
+    const TypeTraits& t = type_traits(type);
+    if (row_bytes(t.type, n) != size) throw Error("buffer size does not match n elements");
+    py::array_t<float> out(n);
+    dequantize_row(t.type, ptr, out.mutable_data(), n);
+    return out;
+  });
+  auto dot = [](bool scalar) {
+    return [scalar](int32_t type, const py::buffer& row, const f32_array& x) {
+      auto [ptr, size] = bytes_of(row, "row");
+      const TypeTraits& t = type_traits(type);
+      if (row_bytes(t.type, x.size()) != size) throw Error("row size does not match len(x)");
+      return scalar ? dot_row_scalar(t.type, ptr, x.data(), x.size())
+                    : dot_row(t.type, ptr, x.data(), x.size());
+    };
+  };
+  ops.def("dot_row", dot(false));
+  ops.def("dot_row_scalar", dot(true));
+  ops.def("matmul", [](int32_t type, const py::buffer& w, int64_t n_in, int64_t n_out, const f32_array& x) {
+    WeightView wv = weight_from(type, w, n_in, n_out);
+    if (x.ndim() != 2 || x.shape(1) != n_in) throw Error("x must be [m, n_in]");
+    const int64_t mrows = x.shape(0);
+    py::array_t<float> y({mrows, n_out});
+    float* yp = y.mutable_data();
+    const float* xp = x.data();
+    {
+      py::gil_scoped_release nogil;
+      matmul(wv, xp, mrows, yp);
+    }
+    return y;
+  });
+  ops.def("rmsnorm", [](const f32_array& x, const f32_array& w, float eps) {
+    if (x.ndim() != 2 || w.ndim() != 1 || w.shape(0) != x.shape(1)) throw Error("x [n, dim], w [dim]");
+    py::array_t<float> y({x.shape(0), x.shape(1)});
+    rmsnorm(x.data(), w.data(), y.mutable_data(), x.shape(0), x.shape(1), eps);
+    return y;
+  });
+  ops.def(
+      "rope",
+      [](const f32_array& x, const i32_array& pos, int32_t n_dims, float base, float scale,
+         const std::string& mode, py::object factors) {
+        if (x.ndim() != 3 || pos.ndim() != 1 || pos.shape(0) != x.shape(0))
+          throw Error("x [n_tok, n_heads, head_dim], pos [n_tok]");
+        py::array_t<float> y({x.shape(0), x.shape(1), x.shape(2)});
+        std::memcpy(y.mutable_data(), x.data(), sizeof(float) * x.size());
+        RopeParams p;
+        p.n_dims = n_dims;
+        p.freq_base = base;
+        p.freq_scale = scale;
+        if (mode == "normal") p.mode = RopeMode::Normal;
+        else if (mode == "neox") p.mode = RopeMode::Neox;
+        else throw Error("mode must be 'normal' or 'neox'");
+        f32_array f;
+        if (!factors.is_none()) {
+          f = factors.cast<f32_array>();
+          if (f.size() != n_dims / 2) throw Error("freq_factors must have n_dims/2 entries");
+          p.freq_factors = f.data();
+        }
+        rope(y.mutable_data(), pos.data(), x.shape(0), x.shape(1), x.shape(2), p);
+        return y;
+      },
+      py::arg("x"), py::arg("pos"), py::arg("n_dims"), py::arg("base"), py::arg("scale") = 1.0f,
+      py::arg("mode") = "normal", py::arg("freq_factors") = py::none());
+  ops.def(
+      "attention",
+      [](const f32_array& q, const py::array& kc, const py::array& vc, int64_t pos0, float scale) {
+        // q: [n_tok, n_heads, hd]; kc, vc: [n_pos, n_kv_heads, hd] float32 or float16
+        if (q.ndim() != 3 || kc.ndim() != 3 || vc.ndim() != 3) throw Error("q, k, v must be 3-D");
+        const bool f16 = kc.dtype().is(py::dtype("float16"));
+        if (f16 != vc.dtype().is(py::dtype("float16")) ||
+            (!f16 && !kc.dtype().is(py::dtype::of<float>())))
+          throw Error("k and v must both be float16 or both float32");
+        const int64_t n_tok = q.shape(0), n_pos = kc.shape(0);
+        if (pos0 + n_tok > n_pos) throw Error("cache shorter than pos0 + n_tok");
+        if (!(kc.flags() & py::array::c_style) || !(vc.flags() & py::array::c_style))
+          throw Error("k and v must be C-contiguous");
+        KvView k{kc.data(), f16, kc.shape(1) * kc.shape(2)}, v{vc.data(), f16, vc.shape(1) * vc.shape(2)};
+        py::array_t<float> out({q.shape(0), q.shape(1), q.shape(2)});
+        attention(q.data(), k, v, n_tok, pos0, (int32_t)q.shape(1), (int32_t)kc.shape(1),
+                  (int32_t)q.shape(2), scale, out.mutable_data());
+        return out;
+      });
+  ops.def("softmax", [](const f32_array& x) {
+    py::array_t<float> y(x.size());
+    std::memcpy(y.mutable_data(), x.data(), sizeof(float) * x.size());
+    softmax(y.mutable_data(), x.size());
+    return y;
+  });
+  ops.def("swiglu", [](const f32_array& g, const f32_array& u) {
+    if (g.size() != u.size()) throw Error("gate and up differ in size");
+    py::array_t<float> y(g.size());
+    swiglu(g.data(), u.data(), y.mutable_data(), g.size());
+    return y;
+  });
+  ops.def("apply_penalties", [](const f32_array& logits, const py::dict& p, const i32_array& prompt,
+                                const i32_array& generated) {
+    py::array_t<float> y(logits.size());
+    std::memcpy(y.mutable_data(), logits.data(), sizeof(float) * logits.size());
+    apply_penalties(y.mutable_data(), logits.size(), sampling_from_dict(p), prompt.data(),
+                    prompt.size(), generated.data(), generated.size());
+    return y;
+  });
+  ops.def("sampling_probs", [](const f32_array& logits, const py::dict& p) {
+    py::array_t<float> y(logits.size());
+    sampling_probs(logits.data(), logits.size(), sampling_from_dict(p), y.mutable_data());
+    return y;
+  });
+  ops.def("argmax", [](const f32_array& x) { return argmax(x.data(), x.size()); });
+  ops.def("sample_from", [](const f32_array& p, double u) { return sample_from(p.data(), p.size(), u); });
+  ops.def("rng_uniform", [](uint64_t seed, int64_t n) {
+    Rng r(seed);
+    py::array_t<double> y(n);
+    for (int64_t i = 0; i < n; ++i) y.mutable_data()[i] = r.uniform();
+    return y;
+  });
+}

@@ -1,0 +1,57 @@
+// specd/model/model.h: the transformer forward pass for the llama family
+// (llama, qwen2 = + QKV bias, qwen3 = + per-head Q/K RMSNorm), over stored weights.
+//
+//   h = embd[tokens]                                  [n, dim]
+//   per layer:  a = rmsnorm(h) ; q,k,v = a Wq,Wk,Wv (+bias) ; (qwen3: rmsnorm per head)
+//               rope(q,k) ; kv.write ; o = attention(q, K, V) Wo ; h += o
+//               f = rmsnorm(h) ; h += (silu(f Wgate) * f Wup) Wdown
+//   logits = rmsnorm(h) Wout   (Wout = embd when tied)
+#pragma once
+#include <cstdint>
+#include <vector>
+#include "cpu/matmul.h"
+#include "model/config.h"
+#include "model/kv_cache.h"
+
+namespace specd {
+
+struct LayerWeights {
+  const float* attn_norm = nullptr;           // [dim]
+  WeightView wq, wk, wv, wo;                  // [dim -> n_heads*hd], [dim -> kv_dim] x2, [n_heads*hd -> dim]
+  const float* bq = nullptr;                  // qwen2: [n_heads*hd]
+  const float* bk = nullptr;                  // qwen2: [kv_dim]
+  const float* bv = nullptr;                  // qwen2: [kv_dim]
+  const float* q_norm = nullptr;              // qwen3: [hd]
+  const float* k_norm = nullptr;              // qwen3: [hd]
+  const float* ffn_norm = nullptr;            // [dim]
+  WeightView w_gate, w_up, w_down;            // [dim -> ffn], [dim -> ffn], [ffn -> dim]
+};
+
+class Model {
+ public:
+  // Resolves every tensor by its GGUF name and checks types and shapes; throws Error
+  // naming the missing or mismatched tensor. Norm/bias tensors must be F32.
+  Model(const ModelConfig& cfg, const std::vector<TensorRef>& tensors);
+
+  const ModelConfig& config() const { return cfg_; }
+
+  // Runs tokens[0..n) at positions pos0..pos0+n-1, writing their K/V into `kv`.
+  // logits: [n, n_vocab] when all_logits, else [n_vocab] for the last token only.
+  // n is bounded by the caller (the engine splits long prompts into chunks).
+  void forward(KvCache& kv, const int32_t* tokens, int64_t n, int64_t pos0, float* logits,
+               bool all_logits) const;
+
+  int64_t kv_dim() const { return (int64_t)cfg_.n_kv_heads * cfg_.head_dim; }
+
+ private:
+  ModelConfig cfg_;
+  WeightView tok_embd_;          // [n_vocab rows of dim]
+  const float* output_norm_ = nullptr;
+  WeightView output_;            // [n_vocab rows of dim] (tok_embd_ when tied)
+  std::vector<float> rope_factors_;
+  std::vector<LayerWeights> layers_;
+  // scratch, grown on demand; forward() is not re-entrant (the engine serialises calls)
+  mutable std::vector<float> h_, a_, q_, k_, v_, att_, gate_, up_, last_;
+};
+
+}  // namespace specd
