@@ -3,7 +3,7 @@
 // overwritten by the next write.
 #pragma once
 #include <cstdint>
-#include <vector>
+#include <memory>
 #include "cpu/ops.h"
 
 namespace specd {
@@ -21,11 +21,15 @@ class KvCache {
   size_t bytes() const;
 
  private:
+  const void* layer_base(const void* base, int32_t layer) const;
+
   int32_t n_layers_;
   int64_t n_ctx_, kv_dim_;
   bool f16_;
-  std::vector<uint16_t> k16_, v16_;  // [n_layers, n_ctx, kv_dim] when f16
-  std::vector<float> k32_, v32_;     // [n_layers, n_ctx, kv_dim] when f32
+  // [n_layers, n_ctx, kv_dim] elements each: uint16 (fp16 bits) when f16_, else float.
+  // Left uninitialised on purpose: the OS commits pages only as positions get written,
+  // so a sequence costs memory for the context it uses, not for n_ctx.
+  std::unique_ptr<uint8_t[]> k_, v_;
 };
 
 }  // namespace specd

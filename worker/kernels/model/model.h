@@ -35,8 +35,12 @@ class Model {
 
   const ModelConfig& config() const { return cfg_; }
 
+  Model(const Model&) = delete;  // cfg_.rope.freq_factors points into this object
+  Model& operator=(const Model&) = delete;
+
   // Runs tokens[0..n) at positions pos0..pos0+n-1, writing their K/V into `kv`.
-  // logits: [n, n_vocab] when all_logits, else [n_vocab] for the last token only.
+  // logits: [n, n_vocab] when all_logits, else [n_vocab] for the last token only;
+  // null skips the output head (a prompt chunk whose logits nobody reads).
   // n is bounded by the caller (the engine splits long prompts into chunks).
   void forward(KvCache& kv, const int32_t* tokens, int64_t n, int64_t pos0, float* logits,
                bool all_logits) const;
@@ -51,7 +55,11 @@ class Model {
   std::vector<float> rope_factors_;
   std::vector<LayerWeights> layers_;
   // scratch, grown on demand; forward() is not re-entrant (the engine serialises calls)
+  //   h_ [n, dim] residual stream; a_ [n, dim] normed input / projection output;
+  //   q_, att_ [n, n_heads*hd]; k_, v_ [n, kv_dim]; gate_, up_ [n, ffn]; last_ [dim];
+  //   pos_ [n] absolute positions
   mutable std::vector<float> h_, a_, q_, k_, v_, att_, gate_, up_, last_;
+  mutable std::vector<int32_t> pos_;
 };
 
 }  // namespace specd
