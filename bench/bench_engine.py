@@ -77,16 +77,25 @@ def bench_specd(path: Path, prompt_ids: list[int], n_gen: int, threads: int) -> 
     }
 
 
+def _last_logits(llm) -> np.ndarray:
+    """llama.cpp's logits of the last evaluated position (without logits_all, which would
+    make its prefill compute the output head for every prompt position)."""
+    import llama_cpp
+
+    ptr = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
+    return np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),))
+
+
 def bench_llamacpp(llm, prompt_ids: list[int], n_gen: int) -> dict:
     llm.reset()
     t0 = time.perf_counter()
     llm.eval(prompt_ids)
     t1 = time.perf_counter()
-    tokens = [int(np.argmax(llm.scores[llm.n_tokens - 1]))]
+    tokens = [int(np.argmax(_last_logits(llm)))]
     t2 = time.perf_counter()
     while len(tokens) < n_gen:
         llm.eval([tokens[-1]])
-        tokens.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        tokens.append(int(np.argmax(_last_logits(llm))))
     t3 = time.perf_counter()
     return {
         "prefill_tok_s": len(prompt_ids) / (t1 - t0),

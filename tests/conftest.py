@@ -17,3 +17,11 @@ def demo_model_path() -> Path:
     from worker.models import pull_demo
 
     return pull_demo(progress=False)
+
+
+@pytest.fixture(scope="session")
+def demo_metadata(demo_model_path: Path) -> dict:
+    """The demo model's GGUF metadata as {key: ReaderField.contents()} (read once)."""
+    import gguf
+
+    return {k: f.contents() for k, f in gguf.GGUFReader(str(demo_model_path)).fields.items()}

@@ -10,11 +10,21 @@ from __future__ import annotations
 
 import glob
 import importlib.util
+import numbers
 import os
 import sys
+import weakref
+from collections.abc import Mapping
+from collections.abc import Sequence as _Seq
 from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
-from worker.errors import SpecdError
+import numpy as np
+
+from worker.errors import InvalidRequestError, ModelLoadError, SpecdError
+
+if TYPE_CHECKING:
+    from worker.model_file import ModelConfig, ModelFile
 
 
 def _load_native() -> ModuleType:
@@ -42,3 +52,169 @@ def _load_native() -> ModuleType:
 native = _load_native()
 ops = native.ops
 EngineError = native.EngineError
+
+
+# ---------------------------------------------------------------- the Python API
+
+KV_TYPES = ("f16", "f32")
+_INT_SAMPLING_KEYS = ("top_k", "seed")
+
+
+class Engine:
+    """One resident model: the native engine built over `model`'s memmapped tensors.
+
+    Options: n_ctx (tokens per sequence; None = min(n_ctx_train, 4096)), n_threads
+    (None = all cores), kv_type ("f16" | "f32"), max_batch (positions per forward while
+    prefilling; bounds scratch memory). A file whose tensors do not match its metadata
+    raises ModelLoadError; bad options raise InvalidRequestError.
+    """
+
+    def __init__(
+        self,
+        model: ModelFile,
+        *,
+        n_ctx: int | None = None,
+        n_threads: int | None = None,
+        kv_type: str = "f16",
+        max_batch: int = 256,
+    ) -> None:
+        if kv_type not in KV_TYPES:
+            raise InvalidRequestError(f"kv_type must be one of {', '.join(KV_TYPES)}, got {kv_type!r}")
+        for name, value, low in (("n_ctx", n_ctx, 1), ("n_threads", n_threads, 1), ("max_batch", max_batch, 1)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
+                raise InvalidRequestError(f"{name} must be an integer >= {low}, got {value!r}")
+        options: dict[str, Any] = {"kv_type": kv_type, "max_batch": max_batch}
+        if n_ctx is not None:
+            options["n_ctx"] = n_ctx
+        if n_threads is not None:
+            options["n_threads"] = n_threads
+        try:
+            self._native = native.Engine(model.config.to_native(), model.tensors, options)
+        except EngineError as exc:  # options are checked above: what is left is the file
+            raise ModelLoadError(f"{model.path}: {exc}") from exc
+        self.model = model
+        self.config: ModelConfig = model.config
+        self.n_ctx: int = self._native.n_ctx
+        self.n_vocab: int = self._native.n_vocab
+        self._sequences: weakref.WeakSet[Sequence] = weakref.WeakSet()
+
+    @property
+    def closed(self) -> bool:
+        return self._native is None
+
+    def _engine(self) -> Any:
+        if self._native is None:
+            raise EngineError("the engine is closed")
+        return self._native
+
+    def new_sequence(self) -> Sequence:
+        seq = Sequence(self, self._engine().new_sequence())
+        self._sequences.add(seq)
+        return seq
+
+    def close(self) -> None:
+        """Frees every sequence and the native engine (idempotent)."""
+        if self._native is None:
+            return
+        for seq in list(self._sequences):
+            seq.close()
+        self._native = None
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Sequence:
+    """One conversation's KV cache and sampler state inside an Engine.
+
+    Protocol: prefill(tokens) appends tokens and returns their logits; step() samples
+    the next token from the current logits and leaves it pending (it enters the KV on
+    the next step() or prefill()), so n_past lags the returned tokens by one.
+    """
+
+    def __init__(self, engine: Engine, seq_id: int) -> None:
+        self.engine = engine
+        self.id = seq_id
+        self._open = True
+
+    def _native(self) -> Any:
+        if not self._open:
+            raise EngineError(f"sequence {self.id} is closed")
+        return self.engine._engine()
+
+    def prefill(self, tokens: _Seq[int] | np.ndarray, all_logits: bool = False) -> np.ndarray:
+        """Appends tokens; returns float32 logits [n, n_vocab] (all_logits) or [n_vocab] (last)."""
+        eng = self._native()
+        arr = np.asarray(tokens)
+        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+            raise InvalidRequestError(f"tokens must be a 1-D sequence of integer ids, got {arr.dtype} {arr.shape}")
+        if arr.dtype != np.int32:
+            if arr.size and (arr.min() < 0 or arr.max() >= self.engine.n_vocab):
+                bad = int(arr[(arr < 0) | (arr >= self.engine.n_vocab)][0])
+                raise EngineError(
+                    f"token id {bad} is out of range: the model's vocabulary has {self.engine.n_vocab} tokens "
+                    f"(ids 0..{self.engine.n_vocab - 1})"
+                )
+            arr = arr.astype(np.int32)
+        return eng.prefill(self.id, arr, all_logits)
+
+    def set_sampling(self, params: Mapping[str, Any]) -> None:
+        """Sets temperature, top_k, top_p, min_p, repetition/presence/frequency penalties, seed.
+
+        Raises InvalidRequestError naming the bad key or value.
+        """
+        eng = self._native()
+        values = dict(params)
+        for key, value in values.items():
+            integral = key in _INT_SAMPLING_KEYS
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral if integral else numbers.Real):
+                kind = "an integer" if integral else "a number"
+                raise InvalidRequestError(f"sampling parameter {key!r} must be {kind}, got {value!r}")
+        seed = values.get("seed", 0)
+        if not 0 <= seed < 2**64:
+            raise InvalidRequestError(f"sampling parameter 'seed' must be in [0, 2**64), got {seed}")
+        try:
+            eng.set_sampling(self.id, values)
+        except EngineError as exc:
+            raise InvalidRequestError(f"bad sampling parameters: {exc}") from exc
+        except (TypeError, RuntimeError) as exc:  # pybind11 cast errors, e.g. a negative seed
+            raise InvalidRequestError(f"bad sampling parameters {values!r}: {exc}") from exc
+
+    def step(self) -> list[int]:
+        """Samples the next token(s): 1 now, 1..k+1 once speculative decoding lands."""
+        return self._native().step(self.id)
+
+    def truncate(self, n_past: int) -> None:
+        """Keeps the first n_past positions; drops later ones and any pending token."""
+        self._native().truncate(self.id, n_past)
+
+    def stats(self) -> dict[str, Any]:
+        return self._native().stats(self.id)
+
+    @property
+    def n_past(self) -> int:
+        return int(self.stats()["n_past"])
+
+    def close(self) -> None:
+        """Frees the native sequence (idempotent; a no-op once the engine is closed)."""
+        if not self._open:
+            return
+        self._open = False
+        eng = self.engine._native
+        if eng is not None:
+            eng.free_sequence(self.id)
+
+    def __enter__(self) -> Sequence:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass

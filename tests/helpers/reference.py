@@ -181,16 +181,22 @@ class ReferenceModel:
             y = y + self._t(name.replace(".weight", ".bias"))
         return y
 
-    def _round_kv(self, x: np.ndarray) -> np.ndarray:
-        if self.kv_round == "f16":
+    @staticmethod
+    def _round_kv(x: np.ndarray, kv_round: str | None) -> np.ndarray:
+        if kv_round == "f16":
             return x.astype(np.float16).astype(np.float64)
-        if self.kv_round == "f32":
+        if kv_round == "f32":
             return x.astype(np.float32).astype(np.float64)
         return x
 
-    def logits(self, tokens) -> np.ndarray:
-        """tokens: [n] ids at positions 0..n-1. Returns float64 [n, n_vocab]."""
+    def logits(self, tokens, kv_round: str | None = "default") -> np.ndarray:
+        """tokens: [n] ids at positions 0..n-1. Returns float64 [n, n_vocab].
+        kv_round overrides the model's setting for this call (None, "f16" or "f32")."""
         c = self.cfg
+        if kv_round == "default":
+            kv_round = self.kv_round
+        if kv_round not in (None, "f16", "f32"):
+            raise ValueError(f"kv_round must be None, 'f16' or 'f32', got {kv_round!r}")
         tokens = np.asarray(tokens, dtype=np.int64)
         if tokens.ndim != 1 or tokens.size == 0:
             raise ValueError("tokens must be a non-empty 1-D sequence")
@@ -210,8 +216,8 @@ class ReferenceModel:
                 q = rmsnorm(q, self._t(p + "attn_q_norm.weight"), c.norm_eps)
                 k = rmsnorm(k, self._t(p + "attn_k_norm.weight"), c.norm_eps)
             q = rope(q, pos, c, self.rope_factors)
-            k = self._round_kv(rope(k, pos, c, self.rope_factors))
-            v = self._round_kv(v)
+            k = self._round_kv(rope(k, pos, c, self.rope_factors), kv_round)
+            v = self._round_kv(v, kv_round)
             o = causal_attention(q, k, v).reshape(n, c.n_heads * c.head_dim)
             h = h + self._linear(o, p + "attn_output.weight")
             f = rmsnorm(h, self._t(p + "ffn_norm.weight"), c.norm_eps)

@@ -1,35 +1,39 @@
-// specd/common/parallel.h: the one way the CPU backend uses threads. OpenMP when the
-// build found it (threads stay warm between calls), else serial.
+// specd/common/parallel.h: the one way the CPU backend uses threads: a persistent pool
+// that splits [0, n) into chunks claimed dynamically (an atomic counter), the calling
+// thread working too. Dynamic claiming matters on shared machines: a worker the OS
+// descheduled does not stall a whole op (its chunks are taken by the others), unlike a
+// static split. Idle workers spin briefly, then yield, then sleep (no CPU burnt between
+// requests).
 #pragma once
-#include <algorithm>
 #include <cstdint>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include <type_traits>
 
 namespace specd {
 
 void set_num_threads(int n);  // <= 0: all hardware threads
 int num_threads();
 
-// Calls f(begin, end) on contiguous chunks of [0, n) across the pool; chunks are
-// multiples of `grain` (except the last). f must not throw.
+namespace detail {
+using ChunkFn = void (*)(const void* ctx, int64_t begin, int64_t end);
+bool in_parallel_region();
+void run_parallel(int64_t n, int64_t grain, ChunkFn fn, const void* ctx);
+}  // namespace detail
+
+// Calls f(begin, end) on contiguous chunks covering [0, n) exactly once, chunk sizes
+// multiples of `grain` (except the last). f must not throw. Nested calls run serially.
 template <class F>
 void parallel_for(int64_t n, int64_t grain, F&& f) {
   if (n <= 0) return;
-  const int nt = num_threads();
-  if (nt <= 1 || n <= grain) { f((int64_t)0, n); return; }
-#ifdef _OPENMP
-  const int64_t chunks = std::min<int64_t>(nt, (n + grain - 1) / grain);
-  const int64_t per = ((n + chunks - 1) / chunks + grain - 1) / grain * grain;
-#pragma omp parallel for num_threads((int)chunks) schedule(static, 1)
-  for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t b = c * per, e = std::min(n, b + per);
-    if (b < e) f(b, e);
+  if (grain < 1) grain = 1;
+  if (num_threads() <= 1 || n <= grain || detail::in_parallel_region()) {
+    f((int64_t)0, n);
+    return;
   }
-#else
-  f((int64_t)0, n);
-#endif
+  using Fn = std::remove_reference_t<F>;
+  detail::run_parallel(
+      n, grain,
+      [](const void* ctx, int64_t b, int64_t e) { (*static_cast<Fn*>(const_cast<void*>(ctx)))(b, e); },
+      static_cast<const void*>(&f));
 }
 
 }  // namespace specd

@@ -1,5 +1,5 @@
 // specd/model/config.h: the model hyper-parameters the C++ side needs, filled from the
-// validated Python config (worker/model_config.py reads them from GGUF metadata), and the
+// validated Python config (worker/model_file.py reads them from GGUF metadata), and the
 // tensors handed over as zero-copy views of the memmapped file.
 #pragma once
 #include <cstdint>

@@ -1,0 +1,341 @@
+"""Generation policy around the engine: prompt -> tokens -> streamed text deltas.
+
+The C++ engine samples tokens; everything a user would call policy lives here: chat
+templating, the context-length check, stop tokens, stop strings, max_tokens,
+detokenization and the timing report. Python runs once per engine step (1 token today,
+1..k+1 with speculative decoding), never per vocabulary entry.
+
+Stopping rules (checked token by token, in order, so a stop inside a multi-token step
+cuts there and the step's later tokens are dropped from the output and the KV cache):
+  1. a token in tokenizer.stop_ids (EOS, end-of-turn): finish 'stop'; the token counts as
+     generated but adds no text;
+  2. a stop string completes in the text: finish 'stop'; the text ends exactly before it
+     (if several complete within one token, the earliest-starting one wins);
+  3. max_tokens tokens generated: finish 'length'.
+Text that might still turn out to be the start of a stop string is held back (at most
+len(longest stop) - 1 characters) until the next tokens settle it.
+
+Timing definitions (engine-side clocks, Python overhead excluded):
+  prefill_tok_s = n_prompt / prefill_seconds  (the prompt forward)
+  decode_tok_s  = (n_generated - 1) / decode_seconds
+The first generated token is sampled from the prefill's logits (no forward of its own),
+so decode_seconds -- the time spent inside step() -- pays for the other n_generated - 1.
+Either rate is 0.0 when it is not measurable (no time, or fewer than 2 tokens).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from worker.errors import InvalidRequestError, SpecdError
+from worker.protocol import SamplingParams
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+
+
+@dataclasses.dataclass(frozen=True)
+class Stats:
+    """Counts and timings of one generation (see the module header for the rates)."""
+
+    n_prompt: int
+    n_generated: int
+    prefill_seconds: float
+    decode_seconds: float
+    prefill_tok_s: float
+    decode_tok_s: float
+    seed: int  # the seed actually used (drawn at random when the request gave none)
+
+
+@dataclasses.dataclass(frozen=True)
+class Delta:
+    """One engine step's contribution. `text` may be '' (held back, special tokens);
+    the last delta has finish_reason set and carries the stats."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stats: Stats | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    text: str
+    tokens: list[int]          # generated ids, including a final stop token if one ended it
+    prompt_tokens: list[int]
+    finish_reason: str         # 'stop' | 'length'
+    prefill_tok_s: float
+    decode_tok_s: float
+    n_prompt: int
+    n_generated: int
+    prefill_seconds: float
+    decode_seconds: float
+    seed: int
+
+
+class StopMatcher:
+    """Cuts streamed text before the first stop string, holding back a possible prefix.
+
+    push(text) -> (safe_text, stopped). Invariant: everything returned so far contains no
+    position where a stop string starts, because the held-back tail is the longest suffix
+    of the text that is a proper prefix of some stop string (so < len(longest stop) chars).
+    """
+
+    def __init__(self, stops: Sequence[str]):
+        for s in stops:
+            if not isinstance(s, str) or not s:
+                raise InvalidRequestError(f"stop strings must be non-empty strings, got {s!r}")
+        self._stops = tuple(dict.fromkeys(stops))
+        self._max_hold = max((len(s) for s in self._stops), default=1) - 1
+        self._held = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        buf = self._held + text
+        hits = [i for i in (buf.find(s) for s in self._stops) if i >= 0]
+        if hits:
+            self._held = ""
+            return buf[: min(hits)], True
+        keep = self._partial_tail(buf)
+        self._held = buf[len(buf) - keep :]
+        return buf[: len(buf) - keep], False
+
+    def flush(self) -> str:
+        """The held-back tail, once no more text will come (it never became a stop)."""
+        out, self._held = self._held, ""
+        return out
+
+    def _partial_tail(self, buf: str) -> int:
+        for k in range(min(self._max_hold, len(buf)), 0, -1):
+            tail = buf[-k:]
+            if any(s.startswith(tail) for s in self._stops):
+                return k
+        return 0
+
+
+def _rate(n: int, seconds: float) -> float:
+    return n / seconds if n > 0 and seconds > 0 else 0.0
+
+
+class Generator:
+    """One resident model: GGUF file, engine, tokenizer and chat template, loaded once.
+
+    Engine and tokenizer modules are imported here, not at module import, so the pure
+    parts of this file (StopMatcher) work without numpy or the native build.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike,
+        *,
+        n_ctx: int | None = None,
+        n_threads: int | None = None,
+        kv_type: str = "f16",
+    ):
+        from worker.models import resolve_model
+
+        if n_ctx is not None and n_ctx < 1:
+            raise InvalidRequestError(f"context size must be >= 1 token, got {n_ctx}")
+        if n_threads is not None and n_threads < 1:
+            raise InvalidRequestError(f"thread count must be >= 1, got {n_threads}")
+        if kv_type not in ("f16", "f32"):
+            raise InvalidRequestError(f"kv_type must be 'f16' or 'f32', got {kv_type!r}")
+        self.path: Path = resolve_model(model)
+        from worker.chat_template import ChatTemplate
+        from worker.engine import Engine
+        from worker.model_file import open_model
+        from worker.tokenizer import Tokenizer
+
+        self.model_file = open_model(self.path)
+        self.tokenizer = Tokenizer.from_metadata(self.model_file.metadata)
+        self._template = None
+        self._template_error: SpecdError | None = None
+        try:
+            self._template = ChatTemplate.from_metadata(self.model_file.metadata, self.tokenizer)
+        except SpecdError as exc:  # a model without a template still does raw completion
+            self._template_error = exc
+        self.engine = Engine(self.model_file, n_ctx=n_ctx, n_threads=n_threads, kv_type=kv_type)
+        self._stop_ids = frozenset(int(t) for t in self.tokenizer.stop_ids)
+
+    @property
+    def n_ctx(self) -> int:
+        return int(self.engine.n_ctx)
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> "Generator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- prompts ----
+
+    def prompt_ids(self, prompt: str | Sequence[int] | Sequence[dict], *, chat: bool = False) -> list[int]:
+        """Token ids for a raw text prompt, a list of ids, or (chat=True) a user message
+        string or a list of {'role', 'content'} messages rendered by the model's template.
+
+        Raw text is tokenized with the model's own BOS rule and special-token text kept
+        literal; a rendered chat prompt parses special tokens (the template writes them)."""
+        if chat:
+            if self._template is None:
+                raise InvalidRequestError(f"this model has no usable chat template: {self._template_error}")
+            if isinstance(prompt, str):
+                messages = [{"role": "user", "content": prompt}]
+            elif all(isinstance(m, dict) for m in prompt):
+                messages = list(prompt)
+            else:
+                raise InvalidRequestError("a chat prompt is a string or a list of {role, content} messages")
+            text = self._template.render(messages, add_generation_prompt=True)
+            ids = list(self.tokenizer.encode(text, add_special=True, parse_special=True))
+            bos = self.tokenizer.bos_id
+            if bos is not None and len(ids) >= 2 and ids[0] == ids[1] == bos:
+                ids = ids[1:]  # the template wrote BOS and the tokenizer added another
+        elif isinstance(prompt, str):
+            ids = list(self.tokenizer.encode(prompt, add_special=True, parse_special=False))
+        else:
+            try:
+                ids = [operator.index(t) for t in prompt]
+            except TypeError:
+                raise InvalidRequestError(
+                    "a prompt is a string or a list of token ids (chat=True also takes messages)"
+                ) from None
+            n_vocab = int(self.engine.n_vocab)
+            bad = [t for t in ids if not 0 <= t < n_vocab]
+            if bad:
+                raise InvalidRequestError(f"token ids must be in [0, {n_vocab}), got {bad[:5]}")
+        if not ids:
+            raise InvalidRequestError("the prompt is empty (0 tokens); give at least one token")
+        return ids
+
+    # ---- generation ----
+
+    def generate(
+        self,
+        prompt: str | Sequence[int] | Sequence[dict],
+        *,
+        chat: bool = False,
+        max_tokens: int = 128,
+        params: SamplingParams | None = None,
+        stop: Sequence[str] = (),
+    ) -> Iterator[Delta]:
+        """Validates everything now (errors raise here, before any output), then returns
+        an iterator of Deltas; closing it early frees the sequence."""
+        params = (params or SamplingParams()).validate()
+        if isinstance(stop, str):
+            stop = [stop]
+        matcher = StopMatcher(stop)
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+        ids = self.prompt_ids(prompt, chat=chat)
+        if len(ids) + max_tokens > self.n_ctx:
+            raise InvalidRequestError(
+                f"context length exceeded: prompt has {len(ids)} tokens + max_tokens {max_tokens} "
+                f"> context {self.n_ctx}; shorten the prompt, lower max_tokens or raise the "
+                f"context size (--ctx-size)"
+            )
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
+        native_params = params.to_native(seed)
+        return self._run(ids, max_tokens, native_params, matcher, seed)
+
+    def _run(self, ids: list[int], max_tokens: int, native_params: dict, matcher: StopMatcher,
+             seed: int) -> Iterator[Delta]:
+        from worker.detokenizer import IncrementalDetokenizer
+
+        detok = IncrementalDetokenizer(self.tokenizer, skip_special=True)
+        seq = self.engine.new_sequence()
+        try:
+            seq.set_sampling(native_params)
+            seq.prefill(ids)
+            n_gen = 0
+            finish: str | None = None
+            while finish is None:
+                step = [int(t) for t in seq.step()]
+                if not step:
+                    raise SpecdError("engine step returned no tokens")
+                accepted: list[int] = []
+                text = []
+                stopped_by_string = False
+                for t in step:
+                    accepted.append(t)
+                    n_gen += 1
+                    if t in self._stop_ids:
+                        finish = FINISH_STOP
+                        break
+                    out, stopped_by_string = matcher.push(detok.push([t]))
+                    text.append(out)
+                    if stopped_by_string:
+                        finish = FINISH_STOP
+                        break
+                    if n_gen >= max_tokens:
+                        finish = FINISH_LENGTH
+                        break
+                if finish is not None and not stopped_by_string:
+                    # No more tokens: settle the detokenizer's partial bytes, then release
+                    # the held-back tail (a stop may still complete inside the flush).
+                    out, stopped_by_string = matcher.push(detok.flush())
+                    text.append(out)
+                    if stopped_by_string:
+                        finish = FINISH_STOP
+                    else:
+                        text.append(matcher.flush())
+                if len(accepted) < len(step):
+                    # Drop the step's tokens after the stop from the KV cache, so the
+                    # sequence holds exactly prompt + accepted output (for later reuse).
+                    seq.truncate(min(int(seq.stats()["n_past"]), len(ids) + n_gen))
+                stats = self._stats(seq, len(ids), n_gen, seed) if finish is not None else None
+                yield Delta("".join(text), accepted, finish, stats)
+        finally:
+            seq.close()
+
+    @staticmethod
+    def _stats(seq, n_prompt: int, n_gen: int, seed: int) -> Stats:
+        st = seq.stats()
+        pre, dec = float(st["prefill_seconds"]), float(st["decode_seconds"])
+        return Stats(
+            n_prompt=n_prompt,
+            n_generated=n_gen,
+            prefill_seconds=pre,
+            decode_seconds=dec,
+            prefill_tok_s=_rate(n_prompt, pre),
+            decode_tok_s=_rate(n_gen - 1, dec),
+            seed=seed,
+        )
+
+    def complete(
+        self,
+        prompt: str | Sequence[int] | Sequence[dict],
+        *,
+        chat: bool = False,
+        max_tokens: int = 128,
+        params: SamplingParams | None = None,
+        stop: Sequence[str] = (),
+    ) -> Result:
+        """generate() run to the end, collected into one Result."""
+        ids = self.prompt_ids(prompt, chat=chat)
+        texts: list[str] = []
+        tokens: list[int] = []
+        last: Delta | None = None
+        for d in self.generate(ids, max_tokens=max_tokens, params=params, stop=stop):
+            texts.append(d.text)
+            tokens.extend(d.token_ids)
+            last = d
+        assert last is not None and last.stats is not None and last.finish_reason is not None
+        s = last.stats
+        return Result(
+            text="".join(texts),
+            tokens=tokens,
+            prompt_tokens=ids,
+            finish_reason=last.finish_reason,
+            prefill_tok_s=s.prefill_tok_s,
+            decode_tok_s=s.decode_tok_s,
+            n_prompt=s.n_prompt,
+            n_generated=s.n_generated,
+            prefill_seconds=s.prefill_seconds,
+            decode_seconds=s.decode_seconds,
+            seed=s.seed,
+        )
