@@ -1,16 +1,19 @@
 """Micro-benchmark of the native matmul (dev tool, not a test): y[m, n_out] = x[m, n_in] @ W^T.
 
-Two measurements, both with native.set_num_threads(THREADS) and medians of
+Two measurements, with native.set_num_threads(2) (--threads) and the median (and min) of
 time.perf_counter() samples:
 
-1. Per shape and type (the demo model's SmolLM2-135M shapes, plus other types on one
-   shape): the same weight timed repeatedly, so it is cache-warm (L2/L3) - kernel speed.
-2. One decode "token" (m = 1) and one 64-token prefill chunk over *distinct* weights for all
-   30 layers (Q4_1) plus the Q8_0 output head, ~97 MB per token: what the model really
-   pays, bounded by DRAM bandwidth and TLB misses. Done on random weights and, when the
-   demo GGUF is present, on its real memmapped weights (the engine's exact memory layout).
+1. Per shape and type (the demo model's SmolLM2-135M shapes, plus every type on one
+   shape), m = 1 and m = 64: the same weight timed repeatedly, so it is cache-warm (L2/L3):
+   kernel speed, with ms, GB/s of weight bytes and GFLOP/s.
+2. The demo model's matmuls (30 layers of Q4_1 + the Q8_0 output head, ~96 MB a token)
+   over distinct weights, as the engine runs them: one decode token (m = 1), one
+   speculative verify of 4 drafts (m = 5), one 64-token prefill chunk. Bounded by DRAM
+   bandwidth and TLB misses; done on random weights and, when the demo GGUF is present, on
+   its real memmapped weights (the engine's memory layout) and on a huge-page copy of them.
 
-Weights are random raw blocks with finite fp16 scales (the values do not change speed).
+On the shared 2-core dev machine other processes inflate medians (they take one of the
+two cores); the min is the quiet-machine figure.
 Run: SPECD_NATIVE_DIR=build/dev-<name> python3 bench/bench_matmul.py [--json out.json]
 """
 
@@ -62,7 +65,7 @@ def times(fn, reps: int) -> tuple[float, float]:
     """(median, min) seconds of reps calls after one warm-up call (threads, page faults).
 
     The median is the figure to quote; the min shows the machine's best when it is shared
-    (other processes on the 2 cores stall the threads' join and inflate the median).
+    (other processes on the 2 cores inflate the median).
     """
     fn()
     samples = []
@@ -175,12 +178,16 @@ def main() -> None:
     for label, load in models:
         weights = load()
         decode = model_pass(weights, 1, max(5, args.reps // 2))
+        verify = model_pass(weights, 5, max(5, args.reps // 4))
         prefill = model_pass(weights, 64, max(3, args.reps // 10))
         results[label] = {"decode_ms_per_token": decode[0] * 1e3, "decode_min_ms_per_token": decode[1] * 1e3,
+                          "verify5_ms": verify[0] * 1e3, "verify5_min_ms": verify[1] * 1e3,
                           "prefill64_ms_per_token": prefill[0] / 64 * 1e3, "prefill64_min_ms_per_token": prefill[1] / 64 * 1e3}
         print(f"  {label}:")
         print(f"    decode  m=1 : median {decode[0] * 1e3:7.2f} ms/token (min {decode[1] * 1e3:6.2f}); "
               f"{wbytes / decode[0] / 1e9:5.1f} GB/s, {flops / decode[0] / 1e9:5.1f} GFLOP/s")
+        print(f"    verify  m=5 : median {verify[0] * 1e3:7.2f} ms/pass  (min {verify[1] * 1e3:6.2f}) = "
+              f"{verify[0] / decode[0]:.2f}x one decode")
         print(f"    prefill m=64: median {prefill[0] / 64 * 1e3:7.3f} ms/token (min {prefill[1] / 64 * 1e3:6.3f}); "
               f"{64 * flops / prefill[0] / 1e9:5.1f} GFLOP/s")
     if args.json:

@@ -93,8 +93,8 @@ def _add_generate(sub) -> None:
         "generate",
         help="generate text from a prompt",
         description="Streams the continuation of --prompt to stdout (timings to stderr). "
-        "Sampling defaults are OpenAI's: temperature 1.0 and every filter off; "
-        "--temperature 0 is greedy.",
+        "Decoding is greedy by default (deterministic, like a test harness); pass "
+        "--temperature T (0..2) to sample, with every filter off unless set.",
     )
     _engine_flags(p)
     p.add_argument("--prompt", "-p", required=True, help="the prompt text")
@@ -103,7 +103,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--max-tokens", "-n", type=_positive_int, default=128,
                    help="most tokens to generate (default: 128)")
     s = p.add_argument_group("sampling")
-    s.add_argument("--temperature", type=float, default=1.0, help="0..2 (default: 1.0, as OpenAI; 0 = greedy)")
+    s.add_argument("--temperature", type=float, default=0.0,
+                   help="0..2 (default: 0 = greedy; the HTTP API keeps OpenAI's default of 1.0)")
     s.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (default: 1 = off)")
     s.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default: 0 = off)")
     s.add_argument("--min-p", type=float, default=0.0, help="keep p >= min_p * p_max, 0..1 (default: 0 = off)")

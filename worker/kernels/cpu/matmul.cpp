@@ -1,14 +1,13 @@
 // specd/cpu/matmul.cpp: y[m, n_out] = x[m, n_in] @ W^T for a stored (possibly quantized)
 // weight, threaded over output rows with parallel_for. Chooses the SIMD path at run time.
-//   m = 1 (decode): each weight row is decoded in registers and dotted with x
-//                   (avx2::dot_rows, 8 rows interleaved, 4 for K-quants) - bound by
-//                   decode work and DRAM bandwidth; the hot loop of the product.
-//   m > 1 (prefill, verify): a panel of kPanel rows is dequantized once into a float32
-//                   scratch buffer, then register tiles of 3 activation rows x 4 weight
-//                   rows reuse it for all m rows (avx2::gemm_f32) - compute-bound, near
-//                   the FMA peak (3x4 measured faster than 2x6 and 4x3 tiles).
-// Both give bit-identical results per output element (see quants_impl.h), so a batch of
-// m rows costs about one decode's weight traffic plus m rows of FMAs.
+//   m <= 5 (decode, speculative verify): each weight row is decoded in registers and
+//          dotted with every activation row (avx2::dot_rows, several weight rows
+//          interleaved) - bound by decode work and DRAM; m = 1 is the product's hot loop.
+//   m > 5 (prefill): a panel of kPanel rows is dequantized once into a float32 scratch
+//          buffer, then register tiles of 3 activation rows x 4 weight rows reuse it for
+//          all m rows (avx2::gemm_f32) - compute-bound, near the FMA peak (3x4 measured
+//          faster than 2x6 and 4x3 tiles).
+// All paths give bit-identical results per output element (see quants_impl.h).
 #include "cpu/matmul.h"
 
 #include <cstdint>
@@ -27,7 +26,7 @@ constexpr int64_t kPanel = 16;        // weight rows dequantized together (m > 1
 constexpr int64_t kGrainDecode = 16;  // rows per parallel_for grain, m = 1
 constexpr int64_t kGrainPrefill = kPanel;
 
-// Per-thread scratch for dequantized panels: [kPanel, n_in] float32. OpenMP threads are
+// Per-thread scratch for dequantized panels: [kPanel, n_in] float32. Pool threads are
 // persistent, so this is allocated once per thread and reused across calls.
 float* panel_scratch(int64_t n_floats) {
   thread_local std::vector<float> buf;
@@ -46,8 +45,7 @@ void matmul_scalar(const WeightView& w, const float* x, int64_t m, float* y, int
 
 #if SPECD_HAVE_X86
 void matmul_avx2_rows(const WeightView& w, const float* x, int64_t m, float* y, int64_t r0, int64_t r1) {
-  static const int64_t maxf = getenv("SPECD_MAXF") ? atoi(getenv("SPECD_MAXF")) : avx2::kMaxFusedRows;  // TEMP
-  if (m <= maxf) {
+  if (m <= avx2::kMaxFusedRows) {
     avx2::dot_rows(w.type, w.row(r0), w.row_stride, r1 - r0, x, m, w.n_in, y + r0, w.n_out);
     return;
   }
