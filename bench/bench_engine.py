@@ -193,7 +193,7 @@ def plot(results: list[dict], path: Path, report: dict) -> None:
         ax.set_xticks(x, [r["model"] for r in results], fontsize=8)
         ax.set_ylabel("tokens / s")
         ax.set_title(title)
-        ax.legend()
+        ax.legend(loc="lower right", fontsize=8)
     fig.suptitle(f"specd vs llama.cpp, CPU {report['machine']['cores']} cores, {report['date'][:10]}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -96,3 +96,133 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             "frequency_penalty": float(self.frequency_penalty),
             "seed": int(seed) % 2**64,
         }
+
+
+# ---------------------------------------------------------------------------------------
+# Serving: the job the gateway enqueues, the events the worker streams back, and the
+# Redis keys both sides use. Everything the two processes agree on is in this section.
+# ---------------------------------------------------------------------------------------
+
+DEFAULT_PREFIX = "specd"
+JOB_FUNC = "worker.jobs.run_generate"  # RQ job entry point (a dotted path: no import needed)
+EVENT_FIELD = b"e"                     # the one field of each stream entry: msgpack Event
+
+
+class Keys(msgspec.Struct, frozen=True):
+    """Redis names under one prefix (SPECD_REDIS_PREFIX), so several deployments can share
+    a Redis. Queues are RQ queues, one per served model."""
+
+    prefix: str = DEFAULT_PREFIX
+
+    def queue(self, model: str) -> str:          # RQ queue name of a model
+        return f"{self.prefix}:model:{model}"
+
+    def events(self, request_id: str) -> str:    # Redis Stream of one request's Events
+        return f"{self.prefix}:events:{request_id}"
+
+    def cancel(self, request_id: str) -> str:    # set by the gateway when the client left
+        return f"{self.prefix}:cancel:{request_id}"
+
+    def worker(self, worker_id: str) -> str:     # WorkerInfo (msgpack) with a TTL = heartbeat
+        return f"{self.prefix}:worker:{worker_id}"
+
+    def workers_pattern(self) -> str:            # SCAN pattern over live workers
+        return f"{self.prefix}:worker:*"
+
+
+class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
+    role: str                                    # system | user | assistant | tool
+    content: str | None = None                   # text parts already joined by the gateway
+    name: str | None = None
+
+
+class GenerateJob(msgspec.Struct, frozen=True, kw_only=True):
+    """One completion request. Exactly one of `messages` (chat: the worker applies the
+    model's chat template) or `prompt` (raw completion text) is set."""
+
+    request_id: str                              # also the RQ job id
+    model: str                                   # served model name (the queue it is on)
+    messages: list[ChatMessage] | None = None
+    prompt: str | None = None
+    max_tokens: int | None = None                # None: up to the context limit
+    sampling: SamplingParams = SamplingParams()
+    stop: list[str] = []
+    created: float = 0.0                         # unix seconds, set by the gateway
+    events_ttl_s: int = 300                      # the stream expires this long after its last event
+    # New fields go below this line, with defaults.
+
+
+class Usage(msgspec.Struct, frozen=True, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Started(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", tag="started"):
+    """The worker took the job (the gateway now watches this worker's heartbeat)."""
+
+    worker_id: str
+    prompt_tokens: int
+
+
+class Token(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", tag="token"):
+    """One engine step: 1..k+1 token ids and the text they completed (may be '' while
+    a multi-byte character or a possible stop string is held back)."""
+
+    ids: list[int]
+    text: str
+
+
+class Done(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", tag="done"):
+    finish_reason: str                           # stop | length | cancelled
+    usage: Usage
+
+
+class Error(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", tag="error"):
+    """The request failed; `status` is the HTTP status the gateway should use if it has
+    not started streaming (400 bad input, 503/504 worker trouble, 500 engine bug)."""
+
+    message: str
+    type: str = "server_error"                   # OpenAI error type
+    code: str | None = None                      # e.g. context_length_exceeded
+    param: str | None = None
+    status: int = 500
+
+
+Event = Started | Token | Done | Error
+
+
+class WorkerInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """A worker's heartbeat record (refreshed every heartbeat_s, expiring after ttl_s)."""
+
+    worker_id: str
+    model: str                                   # the served model name
+    device: str                                  # cpu | cuda:N | hip:N
+    n_ctx: int                                   # context length per sequence
+    capacity: int = 1                            # concurrent sequences (1 until batching)
+    current_request: str | None = None           # request id being served, if any
+    started_at: float = 0.0
+    pid: int = 0
+    host: str = ""
+    # New fields go below this line, with defaults.
+
+
+_event_encoder = msgspec.msgpack.Encoder()
+_event_decoder = msgspec.msgpack.Decoder(Event)
+_job_decoder = msgspec.msgpack.Decoder(GenerateJob)
+_worker_decoder = msgspec.msgpack.Decoder(WorkerInfo)
+
+
+def encode(obj: msgspec.Struct) -> bytes:
+    return _event_encoder.encode(obj)
+
+
+def decode_event(data: bytes) -> Event:
+    return _event_decoder.decode(data)
+
+
+def decode_job(data: bytes) -> GenerateJob:
+    return _job_decoder.decode(data)
+
+
+def decode_worker(data: bytes) -> WorkerInfo:
+    return _worker_decoder.decode(data)
