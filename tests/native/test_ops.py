@@ -16,12 +16,6 @@ from worker.engine import native, ops
 U = 2.0**-24  # float32 unit roundoff
 
 
-@pytest.fixture
-def rng() -> np.random.Generator:
-    seed = int(np.random.SeedSequence().entropy % 2**63)
-    print(f"seed={seed}")
-    return np.random.default_rng(seed)
-
 
 def f32(x) -> np.float64:
     """A parameter as the C++ side sees it: rounded to float32, then exact in float64."""

@@ -26,12 +26,6 @@ HALF_FIELDS = {T.Q8_0: (0,), T.Q4_0: (0,), T.Q5_0: (0,), T.Q4_1: (0, 2), T.Q5_1:
 U = 2.0**-24  # float32 unit roundoff
 
 
-@pytest.fixture
-def rng() -> np.random.Generator:
-    seed = int(np.random.SeedSequence().entropy % 2**32)
-    print(f"seed={seed}")
-    return np.random.default_rng(seed)
-
 
 def random_halves(rng: np.random.Generator, count: int) -> np.ndarray:
     """Finite fp16 scales over a wide range, both signs, with some zeros and subnormals."""
