@@ -45,12 +45,19 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="context length in tokens (default: min(model's training context, 4096))")
     g.add_argument("--kv-type", choices=("f16", "f32"), default="f16",
                    help="KV cache precision (default: f16; f32 is exact)")
+    g.add_argument("--draft", default=None, metavar="PATH|NAME|ngram",
+                   help="speculative decoding (lossless): a draft GGUF sharing the target's vocabulary "
+                        "(a smaller model, or a DFlash block drafter), or 'ngram' for prompt lookup "
+                        "(default: off)")
+    g.add_argument("--draft-k", type=int, default=4, metavar="K",
+                   help="tokens drafted per step, 1..32 (default: 4; for DFlash at most block_size - 1)")
 
 
 def _load(args: argparse.Namespace):
     from worker.generate import Generator
 
-    return Generator(args.model, n_ctx=args.ctx_size, n_threads=args.threads, kv_type=args.kv_type)
+    return Generator(args.model, n_ctx=args.ctx_size, n_threads=args.threads, kv_type=args.kv_type,
+                     draft=getattr(args, "draft", None), draft_k=getattr(args, "draft_k", 4))
 
 
 # ---- specd models ----
@@ -156,6 +163,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 "prefill_seconds": r.prefill_seconds,
                 "decode_seconds": r.decode_seconds,
                 "seed": r.seed,
+                "drafted": r.drafted,
+                "accepted": r.accepted,
+                "acceptance_length": r.acceptance_length,
                 "model": str(gen.path),
             }, ensure_ascii=False))
             return 0

@@ -1,8 +1,8 @@
 """The Python side of the C++ <-> Python boundary: the only importer of the native module.
 
-`Engine` wraps one resident model (weights memmapped, handed to C++ as zero-copy views);
-`Sequence` is a handle on one conversation's KV cache and sampler. Every call into C++
-releases the GIL. Dev builds can point SPECD_NATIVE_DIR at a folder holding a freshly
+`Engine` wraps one resident model (weights memmapped, handed to C++ as zero-copy views),
+optionally with a draft model for speculative decoding; `Sequence` is a handle on one
+conversation's KV cache, sampler and drafter. Every call into C++ releases the GIL. Dev builds can point SPECD_NATIVE_DIR at a folder holding a freshly
 built `_specd*.so` (see tools/dev_build.sh); installed builds ship it inside `worker/`.
 """
 
@@ -58,6 +58,30 @@ EngineError = native.EngineError
 
 KV_TYPES = ("f16", "f32")
 _INT_SAMPLING_KEYS = ("top_k", "seed")
+SPEC_MODES = ("none", "draft", "ngram")  # built in; the native engine may register more
+MAX_DRAFT = 32  # largest k per speculative step (engine.h kMaxDraft)
+
+
+def check_same_vocabulary(target: ModelFile, draft: ModelFile) -> None:
+    """Raises ModelLoadError unless both files carry identical token tables
+    (tokenizer.ggml.tokens): speculation compares token ids, so they must mean the same."""
+    key = "tokenizer.ggml.tokens"
+    a, b = target.metadata.get(key), draft.metadata.get(key)
+    if a is None or b is None:
+        missing = target.path if a is None else draft.path
+        raise ModelLoadError(f"draft model vocabulary differs from the target's: {missing} has no {key}")
+    a, b = list(a), list(b)
+    if a == b:
+        return
+    if len(a) != len(b):
+        detail = f"{len(b)} tokens in {draft.path.name} vs {len(a)} in {target.path.name}"
+    else:
+        i = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+        detail = f"token {i} is {b[i]!r} in {draft.path.name} but {a[i]!r} in {target.path.name}"
+    raise ModelLoadError(
+        f"draft model vocabulary differs from the target's: {detail}; use a draft of the same "
+        f"model family and tokenizer"
+    )
 
 
 class Engine:
@@ -65,8 +89,10 @@ class Engine:
 
     Options: n_ctx (tokens per sequence; None = min(n_ctx_train, 4096)), n_threads
     (None = all cores), kv_type ("f16" | "f32"), max_batch (positions per forward while
-    prefilling; bounds scratch memory). A file whose tensors do not match its metadata
-    raises ModelLoadError; bad options raise InvalidRequestError.
+    prefilling; bounds scratch memory), draft_model (a second ModelFile with the same token
+    table, for speculation mode "draft"). A file whose tensors do not match its metadata,
+    or a draft whose vocabulary differs, raises ModelLoadError; bad options raise
+    InvalidRequestError.
     """
 
     def __init__(
@@ -77,6 +103,7 @@ class Engine:
         n_threads: int | None = None,
         kv_type: str = "f16",
         max_batch: int = 256,
+        draft_model: ModelFile | None = None,
     ) -> None:
         if kv_type not in KV_TYPES:
             raise InvalidRequestError(f"kv_type must be one of {', '.join(KV_TYPES)}, got {kv_type!r}")
@@ -88,11 +115,24 @@ class Engine:
             options["n_ctx"] = n_ctx
         if n_threads is not None:
             options["n_threads"] = n_threads
+        draft_args: dict[str, Any] = {}
+        dflash = draft_model is not None and draft_model.config.arch == "dflash"
+        if dflash:  # a DFlash block drafter: speculation mode "dflash"
+            from worker.dflash_convert import check_pair
+
+            check_pair(draft_model.config, model.config, str(draft_model.path))
+        elif draft_model is not None:
+            check_same_vocabulary(model, draft_model)
+            draft_args = {"draft_config": draft_model.config.to_native(), "draft_tensors": draft_model.tensors}
         try:
-            self._native = native.Engine(model.config.to_native(), model.tensors, options)
-        except EngineError as exc:  # options are checked above: what is left is the file
-            raise ModelLoadError(f"{model.path}: {exc}") from exc
+            self._native = native.Engine(model.config.to_native(), model.tensors, options, **draft_args)
+            if dflash:
+                self._native.set_dflash(draft_model.config.to_native(), draft_model.tensors)
+        except EngineError as exc:  # options are checked above: what is left is the files
+            files = f"{model.path}" + (f" / draft {draft_model.path}" if draft_model is not None else "")
+            raise ModelLoadError(f"{files}: {exc}") from exc
         self.model = model
+        self.draft_model = draft_model
         self.config: ModelConfig = model.config
         self.n_ctx: int = self._native.n_ctx
         self.n_vocab: int = self._native.n_vocab
@@ -183,8 +223,34 @@ class Sequence:
         except (TypeError, RuntimeError) as exc:  # pybind11 cast errors, e.g. a negative seed
             raise InvalidRequestError(f"bad sampling parameters {values!r}: {exc}") from exc
 
+    def set_speculation(self, mode: str = "ngram", k: int = 4, *, ngram_min: int = 1, ngram_max: int = 3) -> None:
+        """Speculative decoding for this sequence from the next step on: mode "none" (off),
+        "draft" (the engine's draft model), "ngram" (prompt lookup of the last ngram_max ..
+        ngram_min tokens), or a drafter the native engine registered; k = tokens drafted per
+        step, 1..32. Output is unchanged (greedy: identical tokens; sampling: the same
+        distribution); only speed changes. Raises InvalidRequestError for bad values."""
+        eng = self._native()
+        for name, value in (("k", k), ("ngram_min", ngram_min), ("ngram_max", ngram_max)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise InvalidRequestError(f"speculation {name} must be an integer, got {value!r}")
+        if not 1 <= k <= MAX_DRAFT:
+            raise InvalidRequestError(f"speculation k must be in 1..{MAX_DRAFT} draft tokens per step, got {k}")
+        if not isinstance(mode, str):
+            raise InvalidRequestError(f"speculation mode must be a string, got {mode!r}")
+        if mode == "draft" and not eng.has_draft_model:
+            raise InvalidRequestError(
+                "speculation mode 'draft' needs a draft model, and this engine has none; "
+                "build it with Engine(model, draft_model=open_model(path)) or use mode 'ngram'"
+            )
+        try:
+            eng.set_speculation(
+                self.id, {"mode": mode, "k": int(k), "ngram_min": int(ngram_min), "ngram_max": int(ngram_max)}
+            )
+        except EngineError as exc:
+            raise InvalidRequestError(f"bad speculation settings: {exc}") from exc
+
     def step(self) -> list[int]:
-        """Samples the next token(s): 1 now, 1..k+1 once speculative decoding lands."""
+        """Samples the next token(s): 1 without speculation, 1..k+1 with it."""
         return self._native().step(self.id)
 
     def truncate(self, n_past: int) -> None:
@@ -192,6 +258,11 @@ class Sequence:
         self._native().truncate(self.id, n_past)
 
     def stats(self) -> dict[str, Any]:
+        """Counters and timings: n_past, n_prompt, n_generated, n_steps, prefill_seconds,
+        decode_seconds; speculation: spec_steps (steps that forwarded with a drafter set),
+        spec_tokens (tokens they returned), drafted, accepted, acceptance_length (tau =
+        spec_tokens / spec_steps), drafted_per_position / accepted_per_position (lists: how
+        many steps drafted / accepted draft i+1), draft_seconds, verify_seconds."""
         return self._native().stats(self.id)
 
     @property

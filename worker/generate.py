@@ -15,6 +15,11 @@ cuts there and the step's later tokens are dropped from the output and the KV ca
 Text that might still turn out to be the start of a stop string is held back (at most
 len(longest stop) - 1 characters) until the next tokens settle it.
 
+Speculative decoding (Generator(draft=PATH|name|"ngram", draft_k=K)): the engine drafts
+up to K tokens per step and verifies them in one target forward; output is unchanged
+(greedy: the same tokens; sampling: the same distribution). Stats report drafted /
+accepted draft tokens and the acceptance length tau = mean tokens per speculative step.
+
 Timing definitions (engine-side clocks, Python overhead excluded):
   prefill_tok_s = n_prompt / prefill_seconds  (the prompt forward)
   decode_tok_s  = (n_generated - 1) / decode_seconds
@@ -49,6 +54,9 @@ class Stats:
     prefill_tok_s: float
     decode_tok_s: float
     seed: int  # the seed actually used (drawn at random when the request gave none)
+    drafted: int = 0               # draft tokens proposed (0 without speculation)
+    accepted: int = 0              # of which the target accepted
+    acceptance_length: float = 0.0  # tau: mean tokens returned per speculative step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +83,13 @@ class Result:
     prefill_seconds: float
     decode_seconds: float
     seed: int
+    drafted: int = 0
+    accepted: int = 0
+    acceptance_length: float = 0.0
+
+
+NGRAM = "ngram"  # Generator(draft=NGRAM): prompt-lookup drafting, no draft model
+MAX_DRAFT_K = 32
 
 
 class StopMatcher:
@@ -125,7 +140,14 @@ class Generator:
 
     Engine and tokenizer modules are imported here, not at module import, so the pure
     parts of this file (StopMatcher) work without numpy or the native build.
+
+    draft: None (no speculation), "ngram" (prompt lookup), or a draft model (a path or
+    a model name, as for `model`) sharing the target's token table; draft_k: tokens drafted
+    per step (1..32), the default of every generate() call.
     """
+
+    draft_mode: str = "none"  # "none" | "ngram" | "draft" (set from `draft` in __init__)
+    draft_k: int = 4
 
     def __init__(
         self,
@@ -134,6 +156,8 @@ class Generator:
         n_ctx: int | None = None,
         n_threads: int | None = None,
         kv_type: str = "f16",
+        draft: str | os.PathLike | None = None,
+        draft_k: int = 4,
     ):
         from worker.models import resolve_model
 
@@ -143,6 +167,7 @@ class Generator:
             raise InvalidRequestError(f"thread count must be >= 1, got {n_threads}")
         if kv_type not in ("f16", "f32"):
             raise InvalidRequestError(f"kv_type must be 'f16' or 'f32', got {kv_type!r}")
+        _check_draft_k(draft_k)
         self.path: Path = resolve_model(model)
         from worker.chat_template import ChatTemplate
         from worker.engine import Engine
@@ -157,7 +182,20 @@ class Generator:
             self._template = ChatTemplate.from_metadata(self.model_file.metadata, self.tokenizer)
         except SpecdError as exc:  # a model without a template still does raw completion
             self._template_error = exc
-        self.engine = Engine(self.model_file, n_ctx=n_ctx, n_threads=n_threads, kv_type=kv_type)
+        self.draft_k = draft_k
+        self.draft_mode = "none"
+        self.draft_path: Path | None = None
+        self.draft_file = None
+        if draft is not None and str(draft) == NGRAM:
+            self.draft_mode = NGRAM
+        elif draft is not None:
+            self.draft_path = resolve_model(draft)
+            self.draft_file = open_model(self.draft_path)
+            # a DFlash block drafter (docs/dflash-gguf.md) drafts up to block_size - 1 tokens
+            self.draft_mode = "dflash" if self.draft_file.config.arch == "dflash" else "draft"
+        self.engine = Engine(
+            self.model_file, n_ctx=n_ctx, n_threads=n_threads, kv_type=kv_type, draft_model=self.draft_file
+        )
         self._stop_ids = frozenset(int(t) for t in self.tokenizer.stop_ids)
 
     @property
@@ -222,10 +260,16 @@ class Generator:
         max_tokens: int = 128,
         params: SamplingParams | None = None,
         stop: Sequence[str] = (),
+        draft_k: int | None = None,
     ) -> Iterator[Delta]:
         """Validates everything now (errors raise here, before any output), then returns
-        an iterator of Deltas; closing it early frees the sequence."""
+        an iterator of Deltas; closing it early frees the sequence. draft_k overrides the
+        Generator's for this call (0 = no speculation; ignored without a drafter)."""
         params = (params or SamplingParams()).validate()
+        k = self.draft_k if draft_k is None else draft_k
+        if draft_k is not None and draft_k != 0:
+            _check_draft_k(draft_k)
+        mode = self.draft_mode if k else "none"
         if isinstance(stop, str):
             stop = [stop]
         matcher = StopMatcher(stop)
@@ -240,16 +284,18 @@ class Generator:
             )
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
         native_params = params.to_native(seed)
-        return self._run(ids, max_tokens, native_params, matcher, seed)
+        return self._run(ids, max_tokens, native_params, matcher, seed, mode, k)
 
     def _run(self, ids: list[int], max_tokens: int, native_params: dict, matcher: StopMatcher,
-             seed: int) -> Iterator[Delta]:
+             seed: int, mode: str = "none", draft_k: int = 0) -> Iterator[Delta]:
         from worker.detokenizer import IncrementalDetokenizer
 
         detok = IncrementalDetokenizer(self.tokenizer, skip_special=True)
         seq = self.engine.new_sequence()
         try:
             seq.set_sampling(native_params)
+            if mode != "none":
+                seq.set_speculation(mode, draft_k)
             seq.prefill(ids)
             n_gen = 0
             finish: str | None = None
@@ -304,6 +350,9 @@ class Generator:
             prefill_tok_s=_rate(n_prompt, pre),
             decode_tok_s=_rate(n_gen - 1, dec),
             seed=seed,
+            drafted=int(st.get("drafted", 0)),
+            accepted=int(st.get("accepted", 0)),
+            acceptance_length=float(st.get("acceptance_length", 0.0)),
         )
 
     def complete(
@@ -314,13 +363,14 @@ class Generator:
         max_tokens: int = 128,
         params: SamplingParams | None = None,
         stop: Sequence[str] = (),
+        draft_k: int | None = None,
     ) -> Result:
         """generate() run to the end, collected into one Result."""
         ids = self.prompt_ids(prompt, chat=chat)
         texts: list[str] = []
         tokens: list[int] = []
         last: Delta | None = None
-        for d in self.generate(ids, max_tokens=max_tokens, params=params, stop=stop):
+        for d in self.generate(ids, max_tokens=max_tokens, params=params, stop=stop, draft_k=draft_k):
             texts.append(d.text)
             tokens.extend(d.token_ids)
             last = d
@@ -338,4 +388,12 @@ class Generator:
             prefill_seconds=s.prefill_seconds,
             decode_seconds=s.decode_seconds,
             seed=s.seed,
+            drafted=s.drafted,
+            accepted=s.accepted,
+            acceptance_length=s.acceptance_length,
         )
+
+
+def _check_draft_k(k: object) -> None:
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_DRAFT_K:
+        raise InvalidRequestError(f"draft_k must be an integer in 1..{MAX_DRAFT_K} draft tokens per step, got {k!r}")

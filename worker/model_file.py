@@ -121,7 +121,12 @@ def open_model(path: str | os.PathLike[str]) -> ModelFile:
         ) from exc
 
     metadata = _read_metadata(reader, p)
-    config = _config_from_metadata(metadata, reader, p)
+    if metadata.get("general.architecture") == "dflash":  # a DFlash block drafter (docs/dflash-gguf.md)
+        from worker.dflash_convert import read_dflash_config
+
+        config = read_dflash_config(metadata, str(p))
+    else:
+        config = _config_from_metadata(metadata, reader, p)
     tensors = _tensor_views(reader, p, size)
     version = int(reader.fields["GGUF.version"].contents())
     return ModelFile(path=p, config=config, metadata=metadata, tensors=tensors, gguf_version=version)

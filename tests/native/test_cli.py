@@ -234,3 +234,26 @@ def test_score_tokens_matches_float64_reference(tmp_path):
     full, _ = results[64]
     assert np.abs(short[15:] - full[15:]).max() > 10 * tol, f"windows changed nothing (seed {seed})"
     assert np.allclose(short[:15], full[:15], rtol=0, atol=2 * tol)  # the first window is shared
+
+
+def test_generate_with_a_draft_is_lossless_and_reports_acceptance(capsys, demo_model_path):
+    """--draft ngram / --draft-k: the same greedy tokens as without speculation, plus the
+    speculation counters in --json."""
+    prompt = "List the numbers one, two, three, one, two, three, one, two,"
+    common = ["generate", "--model", demo_model_path, "--prompt", prompt, "--max-tokens", "24", "--json"]
+    rc, out, err = run_cli(capsys, *common)
+    assert rc == 0, err
+    plain = json.loads(out)
+    rc, out, err = run_cli(capsys, *common, "--draft", "ngram", "--draft-k", "3")
+    assert rc == 0, err
+    spec = json.loads(out)
+    assert spec["tokens"] == plain["tokens"] and spec["text"] == plain["text"]
+    assert plain["drafted"] == plain["accepted"] == 0
+    assert spec["drafted"] > 0 and 0 <= spec["accepted"] <= spec["drafted"]
+    assert spec["acceptance_length"] >= 1.0
+
+
+def test_generate_rejects_a_bad_draft_k(capsys, demo_model_path):
+    rc, out, err = run_cli(capsys, "generate", "--model", demo_model_path, "--prompt", "hi",
+                           "--draft", "ngram", "--draft-k", "0")
+    assert rc == 2 and err.startswith("error: ") and "draft_k" in err.replace("-", "_"), err

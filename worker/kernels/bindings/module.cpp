@@ -14,8 +14,10 @@
 #include "cpu/matmul.h"
 #include "cpu/ops.h"
 #include "cpu/quants.h"
+#include "engine/accept.h"
 #include "engine/engine.h"
 #include "engine/sampler.h"
+#include "model/dflash.h"
 
 namespace py = pybind11;
 using namespace specd;
@@ -98,6 +100,7 @@ std::pair<const uint8_t*, size_t> bytes_of(const py::buffer& b, const std::strin
 
 // Engine + the Python objects owning the memory its tensors point into.
 struct PyEngine {
+  std::unique_ptr<DFlashModel> dflash;  // declared first: outlives the engine's drafters
   std::unique_ptr<Engine> engine;
   py::list keep_alive;
 };
@@ -118,6 +121,93 @@ WeightView weight_from(int32_t type, const py::buffer& data, int64_t n_in, int64
   return w;
 }
 
+// (name, type, ne, buffer) tuples -> TensorRefs; the buffers are appended to keep_alive.
+std::vector<TensorRef> tensor_refs(const py::list& tensors, py::list& keep_alive) {
+  std::vector<TensorRef> refs;
+  for (auto item : tensors) {
+    auto tup = item.cast<py::tuple>();
+    if (tup.size() != 4) throw Error("tensor entries are (name, type, ne, buffer)");
+    TensorRef r;
+    r.name = tup[0].cast<std::string>();
+    const TypeTraits& t = type_traits(tup[1].cast<int32_t>());
+    r.type = t.type;
+    r.ne = tup[2].cast<std::vector<int64_t>>();
+    auto [ptr, size] = bytes_of(tup[3].cast<py::buffer>(), r.name);
+    r.data = ptr;
+    r.nbytes = size;
+    int64_t rows = 1;
+    for (size_t i = 1; i < r.ne.size(); ++i) rows *= r.ne[i];
+    const size_t expect = r.ne.empty() ? 0 : row_bytes(r.type, r.ne[0]) * (size_t)rows;
+    if (expect != size)
+      throw Error("tensor '" + r.name + "' holds " + std::to_string(size) + " bytes, its shape and type need " +
+                  std::to_string(expect) + " (truncated or corrupt file?)");
+    keep_alive.append(tup[3]);
+    refs.push_back(std::move(r));
+  }
+  return refs;
+}
+
+SpecParams spec_from_dict(const py::dict& d) {
+  static const char* kKeys[] = {"mode", "k", "ngram_min", "ngram_max"};
+  for (auto item : d) {
+    const auto key = item.first.cast<std::string>();
+    bool known = false;
+    for (const char* k : kKeys) known |= key == k;
+    if (!known) throw Error("unknown speculation parameter '" + key + "'; known: mode, k, ngram_min, ngram_max");
+  }
+  SpecParams p;
+  p.mode = get_or<std::string>(d, "mode", p.mode);
+  p.k = get_or<int32_t>(d, "k", p.k);
+  p.ngram_min = get_or<int32_t>(d, "ngram_min", p.ngram_min);
+  p.ngram_max = get_or<int32_t>(d, "ngram_max", p.ngram_max);
+  p.validate();
+  return p;
+}
+
+}  // namespace
+
+// ---- DFlash: config dict -> DFlashConfig, and a one-sequence drafter for tests ----
+namespace {
+
+DFlashConfig dflash_config_from_dict(const py::dict& d) {
+  const auto arch = need<std::string>(d, "arch");
+  if (arch != "dflash") throw Error("a DFlash config has arch 'dflash', got '" + arch + "'");
+  DFlashConfig c;
+  c.n_layers = need<int32_t>(d, "n_layers");
+  c.dim = need<int32_t>(d, "dim");
+  c.n_heads = need<int32_t>(d, "n_heads");
+  c.n_kv_heads = need<int32_t>(d, "n_kv_heads");
+  c.head_dim = need<int32_t>(d, "head_dim");
+  c.ffn_dim = need<int32_t>(d, "ffn_dim");
+  c.n_vocab = need<int32_t>(d, "n_vocab");
+  c.norm_eps = need<float>(d, "norm_eps");
+  c.rope.n_dims = need<int32_t>(d, "rope_dims");
+  c.rope.freq_base = need<float>(d, "rope_base");
+  c.rope.freq_scale = get_or<float>(d, "rope_scale", 1.0f);
+  c.rope.mode = RopeMode::Neox;
+  c.block_size = need<int32_t>(d, "block_size");
+  c.mask_token_id = need<int32_t>(d, "mask_token_id");
+  c.target_layer_ids = need<std::vector<int32_t>>(d, "target_layer_ids");
+  c.target_dim = need<int32_t>(d, "target_dim");
+  c.input_embedding_scale = get_or<float>(d, "input_embedding_scale", 1.0f);
+  c.output_multiplier = get_or<float>(d, "output_multiplier", 1.0f);
+  c.logit_softcap = get_or<float>(d, "logit_softcap", 0.0f);
+  for (bool b : need<std::vector<bool>>(d, "layer_causal")) c.layer_causal.push_back(b ? 1 : 0);
+  c.layer_window = need<std::vector<int32_t>>(d, "layer_window");
+  c.validate();
+  return c;
+}
+
+// One DFlash drafter (engine/dflash_drafter.cpp) over its own target Model, driven
+// through the Drafter interface exactly as the engine drives it (tests only).
+struct PyDFlash {
+  py::list keep_alive;  // first: the tensors outlive the models
+  std::unique_ptr<Model> target;
+  std::unique_ptr<DFlashModel> model;
+  std::unique_ptr<Drafter> drafter;
+  Rng rng{0};
+};
+
 }  // namespace
 
 PYBIND11_MODULE(_specd, m) {
@@ -131,30 +221,33 @@ PYBIND11_MODULE(_specd, m) {
   m.def("supported_types", &supported_type_names);
 
   py::class_<PyEngine>(m, "Engine")
-      .def(py::init([](const py::dict& config, const py::list& tensors, const py::dict& options) {
+      .def("set_dflash",
+           [](PyEngine& e, const py::dict& config, const py::list& tensors) {
+             // Loads a DFlash drafter and offers it as speculation mode "dflash".
+             if (e.dflash) throw Error("the engine already has a DFlash drafter");
+             DFlashConfig c = dflash_config_from_dict(config);
+             std::vector<TensorRef> refs = tensor_refs(tensors, e.keep_alive);
+             auto dm_owned = std::make_unique<DFlashModel>(c, refs);
+             dm_owned->check_target(e.engine->config());
+             e.dflash = std::move(dm_owned);
+             const DFlashModel* dm = e.dflash.get();
+             e.engine->register_drafter("dflash",
+                                        [dm](const DrafterEnv& env) { return make_dflash_drafter(*dm, env); });
+           },
+           py::arg("config"), py::arg("tensors"))
+      .def(py::init([](const py::dict& config, const py::list& tensors, const py::dict& options,
+                       const py::object& draft_config, const py::object& draft_tensors) {
              auto pe = std::make_unique<PyEngine>();
              ModelConfig cfg = config_from_dict(config);
-             std::vector<TensorRef> refs;
-             for (auto item : tensors) {
-               auto tup = item.cast<py::tuple>();
-               if (tup.size() != 4) throw Error("tensor entries are (name, type, ne, buffer)");
-               TensorRef r;
-               r.name = tup[0].cast<std::string>();
-               const TypeTraits& t = type_traits(tup[1].cast<int32_t>());
-               r.type = t.type;
-               r.ne = tup[2].cast<std::vector<int64_t>>();
-               auto [ptr, size] = bytes_of(tup[3].cast<py::buffer>(), r.name);
-               r.data = ptr;
-               r.nbytes = size;
-               int64_t rows = 1;
-               for (size_t i = 1; i < r.ne.size(); ++i) rows *= r.ne[i];
-               const size_t expect = r.ne.empty() ? 0 : row_bytes(r.type, r.ne[0]) * (size_t)rows;
-               if (expect != size)
-                 throw Error("tensor '" + r.name + "' holds " + std::to_string(size) +
-                             " bytes, its shape and type need " + std::to_string(expect) +
-                             " (truncated or corrupt file?)");
-               pe->keep_alive.append(tup[3]);
-               refs.push_back(std::move(r));
+             std::vector<TensorRef> refs = tensor_refs(tensors, pe->keep_alive);
+             const bool has_draft = !draft_config.is_none();
+             if (has_draft != !draft_tensors.is_none())
+               throw Error("draft_config and draft_tensors go together");
+             ModelConfig dcfg;
+             std::vector<TensorRef> drefs;
+             if (has_draft) {
+               dcfg = config_from_dict(draft_config.cast<py::dict>());
+               drefs = tensor_refs(draft_tensors.cast<py::list>(), pe->keep_alive);
              }
              EngineOptions opt;
              opt.n_ctx = get_or<int64_t>(options, "n_ctx", opt.n_ctx);
@@ -168,10 +261,16 @@ PYBIND11_MODULE(_specd, m) {
              {
                py::gil_scoped_release nogil;
                pe->engine = std::make_unique<Engine>(cfg, refs, opt);
+               if (has_draft) pe->engine->set_draft_model(dcfg, drefs);
              }
              return pe;
            }),
-           py::arg("config"), py::arg("tensors"), py::arg("options") = py::dict())
+           py::arg("config"), py::arg("tensors"), py::arg("options") = py::dict(),
+           py::arg("draft_config") = py::none(), py::arg("draft_tensors") = py::none())
+      .def_property_readonly("has_draft_model", [](PyEngine& e) { return e.engine->has_draft_model(); })
+      .def("set_speculation",
+           [](PyEngine& e, int32_t seq, const py::dict& p) { e.engine->set_speculation(seq, spec_from_dict(p)); })
+
       .def_property_readonly("n_ctx", [](PyEngine& e) { return e.engine->n_ctx(); })
       .def_property_readonly("n_vocab", [](PyEngine& e) { return e.engine->config().n_vocab; })
       .def("new_sequence", [](PyEngine& e) { return e.engine->new_sequence(); })
@@ -219,6 +318,19 @@ PYBIND11_MODULE(_specd, m) {
         d["n_steps"] = s.n_steps;
         d["prefill_seconds"] = s.prefill_seconds;
         d["decode_seconds"] = s.decode_seconds;
+        d["spec_steps"] = s.spec_steps;
+        d["spec_tokens"] = s.spec_tokens;
+        d["drafted"] = s.drafted;
+        d["accepted"] = s.accepted;
+        d["acceptance_length"] = s.spec_steps > 0 ? (double)s.spec_tokens / (double)s.spec_steps : 0.0;
+        // per draft position i (0-based): steps that drafted / accepted draft i+1, trimmed
+        // to the positions ever drafted
+        size_t used = 0;
+        while (used < s.drafted_at.size() && s.drafted_at[used] > 0) ++used;
+        d["drafted_per_position"] = std::vector<int64_t>(s.drafted_at.begin(), s.drafted_at.begin() + used);
+        d["accepted_per_position"] = std::vector<int64_t>(s.accepted_at.begin(), s.accepted_at.begin() + used);
+        d["draft_seconds"] = s.draft_seconds;
+        d["verify_seconds"] = s.verify_seconds;
         return d;
       });
 
@@ -333,6 +445,22 @@ PYBIND11_MODULE(_specd, m) {
     return y;
   });
   ops.def("argmax", [](const f32_array& x) { return argmax(x.data(), x.size()); });
+  ops.def(
+      "verify_position",
+      [](const f32_array& p, const py::object& q, int32_t draft, bool greedy, double u_accept, double u_resample) {
+        // The accept rule of one verified position (engine/accept.h) -> (accepted, token).
+        f32_array qa;
+        if (!q.is_none()) {
+          qa = q.cast<f32_array>();
+          if (qa.size() != p.size()) throw Error("p and q must have the same length");
+        }
+        std::vector<float> residual((size_t)p.size());
+        const Verdict v = verify_position(p.data(), q.is_none() ? nullptr : qa.data(), p.size(), draft, greedy,
+                                          u_accept, u_resample, residual.data());
+        return py::make_tuple(v.accepted, v.token);
+      },
+      py::arg("p"), py::arg("q"), py::arg("draft"), py::arg("greedy"), py::arg("u_accept") = 0.0,
+      py::arg("u_resample") = 0.0);
   ops.def("sample_from", [](const f32_array& p, double u) { return sample_from(p.data(), p.size(), u); });
   ops.def("rng_uniform", [](uint64_t seed, int64_t n) {
     Rng r(seed);
@@ -340,4 +468,102 @@ PYBIND11_MODULE(_specd, m) {
     for (int64_t i = 0; i < n; ++i) y.mutable_data()[i] = r.uniform();
     return y;
   });
+  // ---- DFlash: one sequence's drafter driven through the Drafter interface (tests) ----
+  py::class_<PyDFlash>(m, "DFlash")
+      .def(py::init([](const py::dict& config, const py::list& tensors, const py::dict& target_config,
+                       const py::list& target_tensors, int64_t n_ctx, const std::string& kv_type) {
+             auto p = std::make_unique<PyDFlash>();
+             if (kv_type != "f16" && kv_type != "f32") throw Error("kv_type must be 'f16' or 'f32'");
+             const DFlashConfig c = dflash_config_from_dict(config);
+             const ModelConfig tc = config_from_dict(target_config);
+             std::vector<TensorRef> refs = tensor_refs(tensors, p->keep_alive);
+             std::vector<TensorRef> trefs = tensor_refs(target_tensors, p->keep_alive);
+             p->target = std::make_unique<Model>(tc, trefs);
+             p->model = std::make_unique<DFlashModel>(c, refs);
+             DrafterEnv env;
+             env.target = p->target.get();
+             env.n_ctx = n_ctx;
+             env.kv_f16 = kv_type == "f16";
+             p->drafter = make_dflash_drafter(*p->model, env);
+             return p;
+           }),
+           py::arg("config"), py::arg("tensors"), py::arg("target_config"), py::arg("target_tensors"),
+           py::arg("n_ctx"), py::arg("kv_type") = "f32")
+      .def_property_readonly("hidden_layers", [](PyDFlash& p) { return p.drafter->hidden_layers(); })
+      .def(
+          "commit",
+          [](PyDFlash& p, int64_t n_past, const f32_array& hidden) {
+            // hidden [n_new, L, dim]: the target states of positions n_past - n_new .. n_past - 1
+            if (hidden.ndim() != 3) throw Error("hidden must be [n_new, n_layers, dim]");
+            HiddenStates hs;
+            hs.data = hidden.data();
+            hs.n_pos = hidden.shape(0);
+            hs.n_layers = (int32_t)hidden.shape(1);
+            hs.dim = (int32_t)hidden.shape(2);
+            hs.pos0 = n_past - hs.n_pos;
+            CommitInfo info;
+            info.n_past = n_past;
+            info.n_new = hs.n_pos;
+            info.hidden = &hs;
+            py::gil_scoped_release nogil;
+            p.drafter->commit(info);
+          },
+          py::arg("n_past"), py::arg("hidden"))
+      .def("rollback", [](PyDFlash& p, int64_t n_past) { p.drafter->rollback(n_past); })
+      .def(
+          "draft",
+          [](PyDFlash& p, const i32_array& tokens, int k, const py::object& sampling) {
+            // tokens: the target's n_past tokens + the pending one -> (drafts, q [n, n_vocab] or None)
+            SamplingParams sp;
+            sp.temperature = 0.0f;
+            if (!sampling.is_none()) sp = sampling_from_dict(sampling.cast<py::dict>());
+            if (!sampling.is_none()) p.rng = Rng(sp.seed);
+            DraftContext ctx;
+            ctx.tokens = tokens.data();
+            ctx.n_tokens = tokens.size();
+            ctx.n_past = ctx.n_tokens - 1;
+            ctx.prompt = tokens.data();
+            ctx.n_prompt = ctx.n_past;
+            ctx.generated = tokens.data() + ctx.n_past;  // the pending token
+            ctx.n_generated = ctx.n_tokens > 0 ? 1 : 0;
+            ctx.params = &sp;
+            ctx.rng = &p.rng;
+            std::vector<int32_t> out;
+            std::vector<float> q;
+            {
+              py::gil_scoped_release nogil;
+              p.drafter->draft(ctx, k, out, q);
+            }
+            py::object qa = py::none();
+            if (!q.empty()) {
+              const int64_t nv = p.model->config().n_vocab;
+              py::array_t<float> a({(int64_t)out.size(), nv});
+              std::memcpy(a.mutable_data(), q.data(), sizeof(float) * q.size());
+              qa = a;
+            }
+            return py::make_tuple(out, qa);
+          },
+          py::arg("tokens"), py::arg("k"), py::arg("sampling") = py::none());
+
+  // The target forward with its residual stream captured after `layers` (tests only).
+  ops.def(
+      "forward_hidden",
+      [](const py::dict& config, const py::list& tensors, const i32_array& tokens,
+         const std::vector<int32_t>& layers, const std::string& kv_type) {
+        py::list keep;
+        ModelConfig cfg = config_from_dict(config);
+        std::vector<TensorRef> refs = tensor_refs(tensors, keep);
+        Model model(cfg, refs);
+        const int64_t n = tokens.size();
+        KvCache kv(cfg.n_layers, n, model.kv_dim(), kv_type == "f16");
+        py::array_t<float> logits({n, (int64_t)cfg.n_vocab});
+        py::array_t<float> hidden({n, (int64_t)layers.size(), (int64_t)cfg.dim});
+        HiddenCapture cap;
+        cap.layers = layers.data();
+        cap.n_layers = (int32_t)layers.size();
+        cap.out = hidden.mutable_data();
+        model.forward(kv, tokens.data(), n, 0, logits.mutable_data(), true, layers.empty() ? nullptr : &cap);
+        return py::make_tuple(logits, hidden);
+      },
+      py::arg("config"), py::arg("tensors"), py::arg("tokens"), py::arg("layers"), py::arg("kv_type") = "f32");
 }

@@ -6,12 +6,16 @@
 // Scalar path (the reference; double accumulation): one (token, head) at a time.
 // AVX2 path (attention_avx2.cpp; F16C, FMA, vector exp, float32 accumulation): a work unit
 // is (token, KV head, chunk of positions) and serves all query heads of that KV head, so
-// each K/V row is loaded and converted once per group. At decode, few tokens x KV heads
-// would leave threads idle, so positions are split into chunks (flash-decoding): each
-// chunk returns (m = max s, l = sum exp(s - m), o = sum exp(s - m) V) and chunks combine as
-//   out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c,   M = max_c m_c.
-// Units (and scalar items) are dealt round-robin to threads, so the causal cost (later
-// tokens see more keys) spreads evenly during prefill and speculative verify.
+// each K/V row is loaded and converted once per group. Positions are cut into chunks of
+// kChunk at FIXED boundaries (multiples of kChunk), and each chunk returns
+// (m = max s, l = sum exp(s - m), o = sum exp(s - m) V); a query's chunks combine as
+//   out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c,   M = max_c m_c   (c ascending, double).
+// Batch invariance (needed by lossless speculative decoding): every query's arithmetic then
+// depends only on its own position, never on how many tokens share the call (decode,
+// prefill chunk or speculative verify) nor on the thread count; so a position's output is
+// bit-identical however it is batched. Chunks also give decode (one token) parallelism
+// over positions (flash-decoding). Units are dealt round-robin to threads, so the causal
+// cost (later tokens see more keys) spreads evenly during prefill and verify.
 #include <algorithm>
 #include <cmath>
 #include <string>
@@ -73,46 +77,60 @@ bool use_avx2() {
   return ok;
 }
 
-// The AVX2 path (see the header comment). Units u = (t * n_kv_heads + g) * n_chunks + c.
+// Positions per chunk of the AVX2 path. Fixed (see the header): changing it changes
+// rounding, but never makes results depend on batching or threads.
+constexpr int64_t kChunk = 128;
+
+// Scratch reused across calls (grown on demand; attention runs on the calling thread and
+// its pool, never re-entered from inside the pool).
+struct FastScratch {
+  std::vector<float> s;          // [lanes, 4 rows, kChunk] scores
+  std::vector<int64_t> first;    // [n_tok + 1] first unit of each token
+  std::vector<float> m;          // [n_units, group] chunk maxima
+  std::vector<double> l;         // [n_units, group] chunk sums
+  std::vector<float> o;          // [n_units, group, hd] un-normalised chunk outputs
+};
+
+template <class T>
+void grow(std::vector<T>& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+}
+
+// The AVX2 path (see the header comment). Token t has nc(t) = ceil((pos0 + t + 1) / kChunk)
+// chunks; its units are first[t] + g * nc(t) + c.
 void attention_fast(const float* q, const KvView& k, const KvView& v, int64_t n_tok, int64_t pos0,
                     int64_t n_heads, int64_t n_kv_heads, int64_t hd, float scale, float* out) {
+  static thread_local FastScratch sc;
   const int64_t group = n_heads / n_kv_heads, stride = k.row_stride;
-  const int64_t n_ctx = pos0 + n_tok;
-  const int64_t nt = std::max(1, num_threads());
-  // Split positions only when tokens x KV heads give fewer than ~8 units per thread, and
-  // keep chunks >= 256 positions so the split and the combine stay cheap.
-  int64_t n_chunks = 1;
-  if (n_tok * n_kv_heads < 8 * nt)
-    n_chunks = std::min((8 * nt + n_tok * n_kv_heads - 1) / (n_tok * n_kv_heads),
-                        std::max<int64_t>(1, n_ctx / 256));
-  const int64_t chunk = (n_ctx + n_chunks - 1) / n_chunks;
-  n_chunks = (n_ctx + chunk - 1) / chunk;
-  const int64_t n_units = n_tok * n_kv_heads * n_chunks;
-  const int64_t lanes = std::min(nt, n_units);
-  const bool split = n_chunks > 1;
-
-  std::vector<float> s_buf((size_t)(lanes * 4 * chunk));  // [lanes, 4 rows, chunk] scores
-  // Partial results per unit and query head of its group; without a split, o is written
-  // straight into `out` and m, l live in small per-lane arrays.
-  std::vector<float> m_buf((size_t)(split ? n_units * group : lanes * group));   // [., group]
-  std::vector<double> l_buf(m_buf.size());                                        // [., group]
-  std::vector<float> o_buf((size_t)(split ? n_units * group * hd : 0));          // [n_units, group, hd]
+  auto n_chunks = [&](int64_t t) { return (pos0 + t + kChunk) / kChunk; };  // ceil((pos0+t+1)/kChunk)
+  grow(sc.first, (size_t)n_tok + 1);
+  int64_t* first = sc.first.data();
+  first[0] = 0;
+  for (int64_t t = 0; t < n_tok; ++t) first[t + 1] = first[t] + n_kv_heads * n_chunks(t);
+  const int64_t n_units = first[n_tok];
+  const int64_t lanes = std::min<int64_t>(std::max(1, num_threads()), n_units);
+  grow(sc.s, (size_t)(lanes * 4 * kChunk));
+  grow(sc.m, (size_t)(n_units * group));
+  grow(sc.l, (size_t)(n_units * group));
+  grow(sc.o, (size_t)(n_units * group * hd));
+  float* s_buf = sc.s.data();
+  float* m_buf = sc.m.data();
+  double* l_buf = sc.l.data();
+  float* o_buf = sc.o.data();
 
   parallel_for(lanes, 1, [&](int64_t l0, int64_t l1) {
     for (int64_t lane = l0; lane < l1; ++lane) {
-      float* s = s_buf.data() + lane * 4 * chunk;
+      float* s = s_buf + lane * 4 * kChunk;
+      int64_t t = 0;
       for (int64_t u = lane; u < n_units; u += lanes) {
-        const int64_t c = u % n_chunks, g = (u / n_chunks) % n_kv_heads, t = u / n_chunks / n_kv_heads;
-        const int64_t j0 = c * chunk, j1 = std::min(j0 + chunk, pos0 + t + 1);  // causal end
-        const int64_t slot = split ? u : lane;
-        float* m = m_buf.data() + slot * group;
-        double* l = l_buf.data() + slot * group;
-        float* o = split ? o_buf.data() + u * group * hd : out + (t * n_heads + g * group) * hd;
-        if (j0 >= j1) {  // chunk entirely after this token's position: contributes nothing
-          std::fill(m, m + group, -INFINITY);
-          std::fill(l, l + group, 0.0);
-          continue;
-        }
+        while (first[t + 1] <= u) ++t;  // units ascend with the lane's stride
+        const int64_t nc = n_chunks(t), g = (u - first[t]) / nc, c = (u - first[t]) % nc;
+        const int64_t j0 = c * kChunk, j1 = std::min(j0 + kChunk, pos0 + t + 1);  // causal end
+        float* m = m_buf + u * group;
+        double* l = l_buf + u * group;
+        // A single-chunk query is normalised right here, into `out`: the same arithmetic
+        // as the combine below with one chunk (weight e^0 = 1, division in double).
+        float* o = nc == 1 ? out + (t * n_heads + g * group) * hd : o_buf + u * group * hd;
         const float* qg = q + (t * n_heads + g * group) * hd;
         for (int64_t r0 = 0; r0 < group; r0 += 4) {
           const int32_t R = (int32_t)std::min<int64_t>(4, group - r0);
@@ -126,35 +144,34 @@ void attention_fast(const float* q, const KvView& k, const KvView& v, int64_t n_
                                      static_cast<const float*>(v.data) + off, stride, j1 - j0, hd,
                                      scale, s, m + r0, l + r0, o + r0 * hd);
         }
-        if (!split)
-          for (int64_t r = 0; r < group; ++r) {
-            const float inv = (float)(1.0 / l[r]);
-            for (int64_t d = 0; d < hd; ++d) o[r * hd + d] *= inv;
-          }
+        if (nc == 1)
+          for (int64_t r = 0; r < group; ++r)
+            for (int64_t d = 0; d < hd; ++d) o[r * hd + d] = (float)((double)o[r * hd + d] / l[r]);
       }
     }
   });
-  if (!split) return;
-  // Combine the chunks of each (token, head), in double.
-  std::vector<double> a((size_t)hd);  // [hd]
-  for (int64_t t = 0; t < n_tok; ++t)
-    for (int64_t h = 0; h < n_heads; ++h) {
-      const int64_t g = h / group, r = h % group, u0 = (t * n_kv_heads + g) * n_chunks;
+  // Combine the chunks of each multi-chunk (token, head), in double, c ascending.
+  parallel_for(n_tok * n_heads, 4, [&](int64_t i0, int64_t i1) {
+    double a[512];  // [hd] (hd <= 512 is checked by the caller)
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = i / n_heads, h = i % n_heads, nc = n_chunks(t);
+      if (nc == 1) continue;
+      const int64_t g = h / group, r = h % group, u0 = first[t] + g * nc;
       float M = -INFINITY;
-      for (int64_t c = 0; c < n_chunks; ++c) M = std::max(M, m_buf[(u0 + c) * group + r]);
+      for (int64_t c = 0; c < nc; ++c) M = std::max(M, m_buf[(u0 + c) * group + r]);
       double L = 0.0;
-      std::fill(a.begin(), a.end(), 0.0);
-      for (int64_t c = 0; c < n_chunks; ++c) {
+      std::fill(a, a + hd, 0.0);
+      for (int64_t c = 0; c < nc; ++c) {
         const int64_t u = u0 + c;
-        if (l_buf[u * group + r] == 0.0) continue;  // empty chunk
         const double w = std::exp((double)m_buf[u * group + r] - M);
         L += w * l_buf[u * group + r];
-        const float* o = o_buf.data() + (u * group + r) * hd;
+        const float* o = o_buf + (u * group + r) * hd;
         for (int64_t d = 0; d < hd; ++d) a[d] += w * o[d];
       }
       float* dst = out + (t * n_heads + h) * hd;
       for (int64_t d = 0; d < hd; ++d) dst[d] = (float)(a[d] / L);
     }
+  });
 }
 #endif
 
@@ -177,7 +194,7 @@ void attention(const float* q, const KvView& k, const KvView& v, int64_t n_tok, 
 
   const int64_t hd = head_dim, stride = k.row_stride, group = n_heads / n_kv_heads;
 #if SPECD_HAVE_X86
-  if (use_avx2() && hd % 8 == 0) {
+  if (use_avx2() && hd % 8 == 0 && hd <= 512) {
     attention_fast(q, k, v, n_tok, pos0, n_heads, n_kv_heads, hd, scale, out);
     return;
   }

@@ -1,7 +1,8 @@
-// specd/engine/engine.cpp: sequences (KV cache + sampler state + counters) and the
-// decode protocol of engine.h: prefill keeps the last logits; step() forwards the
+// specd/engine/engine.cpp: sequences (KV cache + sampler state + drafter + counters) and
+// the decode protocol of engine.h: prefill keeps the last logits; step() forwards the
 // pending token if any, samples the next one from the current logits and leaves it
-// pending. Every public call holds mu_ for its whole duration.
+// pending, or (speculation on) drafts, verifies in one forward and accepts a prefix.
+// Every public call holds mu_ for its whole duration.
 #include "engine/engine.h"
 
 #include <algorithm>
@@ -10,6 +11,7 @@
 #include <string>
 
 #include "common/parallel.h"
+#include "engine/accept.h"
 
 namespace specd {
 
@@ -28,7 +30,10 @@ struct Engine::Sequence {
       : kv(c.n_layers, n_ctx, (int64_t)c.n_kv_heads * c.head_dim, kv_f16),
         logits((size_t)c.n_vocab),
         work((size_t)c.n_vocab),
-        probs((size_t)c.n_vocab) {}
+        probs((size_t)c.n_vocab) {
+    stats.drafted_at.assign(kMaxDraft, 0);
+    stats.accepted_at.assign(kMaxDraft, 0);
+  }
 
   KvCache kv;
   int64_t n_past = 0;                // positions in the KV cache
@@ -45,6 +50,23 @@ struct Engine::Sequence {
   SamplingParams params;
   Rng rng{0};
   SeqStats stats;                    // counters are cumulative over the sequence's life
+
+  // Speculation (null drafter = off). The drafter draws from its own stream, so turning
+  // speculation on never shifts the target's uniforms of an unrelated draw.
+  std::unique_ptr<Drafter> drafter;
+  SpecParams spec;
+  Rng draft_rng{kDraftStream};
+  std::vector<int32_t> drafts;       // [<= k] proposals of the current step
+  std::vector<float> q;              // [n, n_vocab] their distributions, or empty (one-hot)
+  std::vector<int32_t> verify;       // [n + 1] pending token + drafts
+  std::vector<float> vlogits;        // [n + 1, n_vocab] the verify forward's logits
+  std::vector<int32_t> gen_ext;      // generated + accepted drafts (penalties at position i)
+  std::vector<float> residual;       // [n_vocab] accept-rule scratch
+  // Target hidden states for drafters that read them (Drafter::hidden_layers()).
+  std::vector<int32_t> hidden_layers;  // [L] target layer ids; empty = capture nothing
+  std::vector<float> hidden;           // [n, L, dim] captured by the last target forward
+
+  static constexpr uint64_t kDraftStream = 0xd1b54a32d192ed03ull;  // xored into the seed
 
   // Notes that the next history slot holds `token` (n_past is advanced by the forward).
   void record(int32_t token, bool stepped) {
@@ -108,6 +130,10 @@ void Engine::free_sequence(int32_t seq) {
 // s.n_past, and advances n_past (the caller records where the tokens came from).
 // logits_out: [n, n_vocab] when all_logits, else the last position's [n_vocab]; may be
 // null. s.logits always gets the last row.
+// Runs tokens through the model in chunks of at most max_batch positions, starting at
+// s.n_past, advances n_past and commits each chunk to the drafter (the caller has already
+// recorded the tokens in s.history). logits_out: [n, n_vocab] when all_logits, else the
+// last position's [n_vocab]; may be null. s.logits always gets the last row.
 void Engine::forward_chunked(Sequence& s, const int32_t* tokens, int64_t n, float* logits_out,
                              bool all_logits) {
   const int64_t nv = model_.config().n_vocab;
@@ -118,13 +144,30 @@ void Engine::forward_chunked(Sequence& s, const int32_t* tokens, int64_t n, floa
     const bool last = done + m == n;
     // Only chunks whose logits someone reads run the output head.
     float* dst = rows ? logits_out + done * nv : last ? s.logits.data() : nullptr;
-    model_.forward(s.kv, tokens + done, m, s.n_past, dst, rows);
+    target_forward(s, tokens + done, m, dst, rows);
     s.n_past += m;
+    commit(s, m);
     done += m;
   }
   if (rows) std::memcpy(s.logits.data(), logits_out + (n - 1) * nv, sizeof(float) * (size_t)nv);
   else if (logits_out) std::memcpy(logits_out, s.logits.data(), sizeof(float) * (size_t)nv);
   s.has_logits = true;
+}
+
+// One target forward of tokens at positions s.n_past.. (n_past is not advanced). When the
+// sequence's drafter reads hidden states, they are captured into s.hidden [n, L, dim].
+void Engine::target_forward(Sequence& s, const int32_t* tokens, int64_t n, float* logits, bool all_logits) {
+  if (s.hidden_layers.empty()) {
+    model_.forward(s.kv, tokens, n, s.n_past, logits, all_logits);
+    return;
+  }
+  const size_t row = s.hidden_layers.size() * (size_t)model_.config().dim;
+  if (s.hidden.size() < (size_t)n * row) s.hidden.resize((size_t)n * row);
+  HiddenCapture cap;
+  cap.layers = s.hidden_layers.data();
+  cap.n_layers = (int32_t)s.hidden_layers.size();
+  cap.out = s.hidden.data();
+  model_.forward(s.kv, tokens, n, s.n_past, logits, all_logits, &cap);
 }
 
 namespace {
@@ -153,6 +196,10 @@ void Engine::prefill(int32_t seq, const int32_t* tokens, int64_t n, float* logit
   const auto t0 = Clock::now();
   const int32_t p = s.pending;
   const int64_t n_past0 = s.n_past;
+  // Record first: the drafter is told about each chunk as it lands (commit reads history).
+  s.pending = -1;
+  if (p >= 0) s.record(p, true);
+  for (int64_t i = 0; i < n; ++i) s.record(tokens[i], false);
   try {
     if (p >= 0 && !all_logits) {
       // The pending (generated) token goes in first, folded into the prompt's chunks so
@@ -167,19 +214,18 @@ void Engine::prefill(int32_t seq, const int32_t* tokens, int64_t n, float* logit
         // all_logits returns rows for `tokens` only: run the pending token on its own,
         // without the output head.
         s.has_logits = false;
-        model_.forward(s.kv, &p, 1, s.n_past, nullptr, false);
+        target_forward(s, &p, 1, nullptr, false);
         s.n_past += 1;
+        commit(s, 1);
       }
       forward_chunked(s, tokens, n, logits_out, all_logits);
     }
   } catch (...) {
     s.has_logits = false;
     s.keep(n_past0);  // forget the pending token too: its state is unknown now
+    if (s.drafter) s.drafter->rollback(n_past0);
     throw;
   }
-  s.pending = -1;
-  if (p >= 0) s.record(p, true);
-  for (int64_t i = 0; i < n; ++i) s.record(tokens[i], false);
   s.stats.n_prompt += n;
   s.stats.prefill_seconds += seconds_since(t0);
 }
@@ -190,30 +236,112 @@ void Engine::set_sampling(int32_t seq, const SamplingParams& p) {
   Sequence& s = get(seq);
   s.params = p;
   s.rng = Rng(p.seed);
+  s.draft_rng = Rng(p.seed ^ Sequence::kDraftStream);
 }
 
-std::vector<int32_t> Engine::step(int32_t seq) {
+void SpecParams::validate() const {
+  if (k < 1 || k > kMaxDraft)
+    throw Error("speculation k must be in 1.." + std::to_string(kMaxDraft) + " draft tokens per step, got " +
+                std::to_string(k));
+  if (ngram_min < 1 || ngram_max < ngram_min)
+    throw Error("ngram sizes must satisfy 1 <= ngram_min <= ngram_max, got ngram_min=" + std::to_string(ngram_min) +
+                " ngram_max=" + std::to_string(ngram_max));
+}
+
+void Engine::set_draft_model(const ModelConfig& cfg, const std::vector<TensorRef>& tensors) {
+  std::lock_guard<std::mutex> lock(mu_);
+  SPECD_CHECK(draft_model_ == nullptr, "the engine already has a draft model");
+  if (cfg.n_vocab != model_.config().n_vocab)
+    throw Error("draft model vocabulary differs from the target's: " + std::to_string(cfg.n_vocab) + " tokens vs " +
+                std::to_string(model_.config().n_vocab) + "; use a draft of the same model family and tokenizer");
+  draft_model_ = std::make_unique<Model>(cfg, tensors);
+}
+
+void Engine::register_drafter(const std::string& name, DrafterFactory factory) {
+  std::lock_guard<std::mutex> lock(mu_);
+  SPECD_CHECK(name != "none" && name != "draft" && name != "ngram" && !name.empty(),
+              "drafter name '" + name + "' is reserved or empty");
+  SPECD_CHECK(factory != nullptr, "register_drafter: no factory");
+  factories_[name] = std::move(factory);
+}
+
+void Engine::set_speculation(int32_t seq, const SpecParams& p) {
+  p.validate();
   std::lock_guard<std::mutex> lock(mu_);
   Sequence& s = get(seq);
-  if (!s.has_logits)
-    throw Error("step() needs logits to sample from: call prefill() first (a new or truncated sequence has none)");
-  const int64_t nv = model_.config().n_vocab;
-  const auto t0 = Clock::now();
-  if (s.pending >= 0) {
-    if (s.n_past + 1 > n_ctx_) context_exceeded(s.n_past + 1, n_ctx_);
-    const int32_t p = s.pending;
-    try {
-      model_.forward(s.kv, &p, 1, s.n_past, s.logits.data(), false);
-    } catch (...) {
-      s.has_logits = false;  // partly overwritten
-      s.keep(s.n_past);
-      throw;
+  const DrafterEnv env{&model_, n_ctx_, opt_.kv_f16};
+  std::unique_ptr<Drafter> d;
+  if (p.mode == "none") {
+  } else if (p.mode == "draft") {
+    if (!draft_model_)
+      throw Error("speculation mode 'draft' needs a draft model, and this engine was built without one; "
+                  "load one (Engine(model, draft_model=...)) or use mode 'ngram'");
+    d = make_draft_model_drafter(*draft_model_, env);
+  } else if (p.mode == "ngram") {
+    d = make_ngram_drafter(p.ngram_min, p.ngram_max);
+  } else {
+    auto it = factories_.find(p.mode);
+    if (it == factories_.end()) {
+      std::string modes = "none, draft, ngram";
+      for (const auto& f : factories_) modes += ", " + f.first;
+      throw Error("unknown speculation mode '" + p.mode + "'; available: " + modes);
     }
-    s.pending = -1;
-    s.n_past += 1;
-    s.record(p, true);
+    d = it->second(env);
+    SPECD_CHECK(d != nullptr, "drafter factory '" + p.mode + "' returned nothing");
   }
-  // penalties -> (greedy: argmax | temperature, top-k, top-p, min-p -> draw)
+  std::vector<int32_t> layers;
+  if (d) layers = d->hidden_layers();
+  for (int32_t l : layers)
+    SPECD_CHECK(l >= 0 && l < model_.config().n_layers,
+                "drafter '" + p.mode + "' reads target layer " + std::to_string(l) + ", but the target has layers 0.." +
+                    std::to_string(model_.config().n_layers - 1));
+  s.drafter = std::move(d);
+  s.spec = p;
+  s.hidden_layers = std::move(layers);
+}
+
+// Tells the drafter (if any) that the last n_new positions of the target KV are committed;
+// their hidden states (if captured) are rows row0 .. row0 + n_new - 1 of s.hidden.
+void Engine::commit(Sequence& s, int64_t n_new, int64_t row0) {
+  if (!s.drafter) return;
+  CommitInfo info;
+  info.tokens = s.history.data();
+  info.n_past = s.n_past;
+  info.n_new = n_new;
+  HiddenStates hs;
+  if (!s.hidden_layers.empty()) {
+    hs.n_layers = (int32_t)s.hidden_layers.size();
+    hs.dim = model_.config().dim;
+    hs.data = s.hidden.data() + row0 * hs.n_layers * (int64_t)hs.dim;
+    hs.pos0 = s.n_past - n_new;
+    hs.n_pos = n_new;
+    info.hidden = &hs;
+  }
+  s.drafter->commit(info);
+}
+
+// Forwards the pending token alone (plain decode step), leaving its logits in s.logits.
+void Engine::forward_pending(Sequence& s) {
+  if (s.n_past + 1 > n_ctx_) context_exceeded(s.n_past + 1, n_ctx_);
+  const int32_t p = s.pending;
+  try {
+    target_forward(s, &p, 1, s.logits.data(), false);
+  } catch (...) {
+    s.has_logits = false;  // partly overwritten
+    s.keep(s.n_past);
+    if (s.drafter) s.drafter->rollback(s.n_past);
+    throw;
+  }
+  s.pending = -1;
+  s.n_past += 1;
+  s.record(p, true);
+  commit(s, 1);
+}
+
+// Samples the next token from s.logits (penalties -> greedy argmax | transforms -> draw)
+// and leaves it pending.
+int32_t Engine::sample_pending(Sequence& s) {
+  const int64_t nv = model_.config().n_vocab;
   std::memcpy(s.work.data(), s.logits.data(), sizeof(float) * (size_t)nv);
   apply_penalties(s.work.data(), nv, s.params, s.prompt.data(), (int64_t)s.prompt.size(), s.generated.data(),
                   (int64_t)s.generated.size());
@@ -226,10 +354,143 @@ std::vector<int32_t> Engine::step(int32_t seq) {
   }
   s.pending = tok;
   s.generated.push_back(tok);
-  s.stats.n_generated += 1;
+  return tok;
+}
+
+// One speculative step (see engine.h) with up to k drafts; false (nothing changed) when
+// the drafter proposes none.
+bool Engine::speculative_step(Sequence& s, int64_t k, std::vector<int32_t>& out) {
+  const int64_t nv = model_.config().n_vocab;
+  const bool greedy = s.params.greedy();
+  const auto t0 = Clock::now();
+
+  // ---- draft: the drafter sees history + pending
+  s.history.push_back(s.pending);
+  DraftContext ctx;
+  ctx.tokens = s.history.data();
+  ctx.n_tokens = (int64_t)s.history.size();
+  ctx.n_past = s.n_past;
+  ctx.prompt = s.prompt.data();
+  ctx.n_prompt = (int64_t)s.prompt.size();
+  ctx.generated = s.generated.data();  // ends with the pending token
+  ctx.n_generated = (int64_t)s.generated.size();
+  ctx.params = &s.params;
+  ctx.rng = &s.draft_rng;
+  s.drafts.clear();
+  s.q.clear();
+  try {
+    s.drafter->draft(ctx, (int)k, s.drafts, s.q);
+  } catch (...) {
+    s.history.pop_back();
+    throw;
+  }
+  s.history.pop_back();
+  const int64_t n = (int64_t)s.drafts.size();
+  SPECD_CHECK(n <= k, std::string("drafter '") + s.drafter->name() + "' proposed " + std::to_string(n) +
+                          " tokens, more than k=" + std::to_string(k));
+  SPECD_CHECK(s.q.empty() || s.q.size() == (size_t)(n * nv),
+              std::string("drafter '") + s.drafter->name() + "' returned q of the wrong size");
+  for (int32_t d : s.drafts)
+    SPECD_CHECK(d >= 0 && d < nv, std::string("drafter '") + s.drafter->name() + "' proposed token id " +
+                                      std::to_string(d) + " outside the vocabulary");
+  s.stats.draft_seconds += seconds_since(t0);
+  if (n == 0) return false;
+
+  // ---- verify: one target forward over [pending, d1..dn] at positions n_past0..n_past0+n
+  const auto t1 = Clock::now();
+  const int64_t n_past0 = s.n_past;
+  const int32_t pending = s.pending;
+  s.verify.assign(1, pending);
+  s.verify.insert(s.verify.end(), s.drafts.begin(), s.drafts.end());
+  s.vlogits.resize((size_t)((n + 1) * nv));
+  s.residual.resize((size_t)nv);
+  int64_t m = 0;  // accepted drafts
+  int32_t bonus = -1;
+  try {
+    target_forward(s, s.verify.data(), n + 1, s.vlogits.data(), true);  // at n_past0
+    // ---- accept: row i is the target's distribution for the token after verify[i]; its
+    // penalties see the history extended by d1..di, exactly as plain decoding would.
+    s.gen_ext = s.generated;
+    for (int64_t i = 0;; ++i) {
+      std::memcpy(s.work.data(), s.vlogits.data() + i * nv, sizeof(float) * (size_t)nv);
+      apply_penalties(s.work.data(), nv, s.params, s.prompt.data(), (int64_t)s.prompt.size(), s.gen_ext.data(),
+                      (int64_t)s.gen_ext.size());
+      const float* p = s.work.data();
+      if (!greedy) {
+        sampling_probs(s.work.data(), nv, s.params, s.probs.data());
+        p = s.probs.data();
+      }
+      if (i == n) {  // every draft accepted: the bonus is a plain draw from the last row
+        bonus = greedy ? argmax(p, nv) : sample_from(p, nv, s.rng.uniform());
+        break;
+      }
+      const double ua = greedy ? 0.0 : s.rng.uniform();
+      const double ur = greedy ? 0.0 : s.rng.uniform();
+      const Verdict v = verify_position(p, s.q.empty() ? nullptr : s.q.data() + i * nv, nv, s.drafts[(size_t)i],
+                                        greedy, ua, ur, s.residual.data());
+      if (!v.accepted) {
+        bonus = v.token;
+        break;
+      }
+      s.gen_ext.push_back(v.token);
+      ++m;
+    }
+  } catch (...) {
+    s.has_logits = false;
+    s.keep(n_past0);  // drops the pending token: its KV row may be written
+    s.drafter->rollback(n_past0);
+    throw;
+  }
+
+  // ---- commit: keep pending + d1..dm (rows beyond are overwritten later); bonus pending
+  s.n_past = n_past0 + 1 + m;
+  s.record(pending, true);
+  for (int64_t j = 0; j < m; ++j) {
+    s.record(s.drafts[(size_t)j], true);
+    s.generated.push_back(s.drafts[(size_t)j]);
+    out.push_back(s.drafts[(size_t)j]);
+  }
+  std::memcpy(s.logits.data(), s.vlogits.data() + m * nv, sizeof(float) * (size_t)nv);  // position n_past - 1
+  s.has_logits = true;
+  s.pending = bonus;
+  s.generated.push_back(bonus);
+  out.push_back(bonus);
+
+  s.stats.drafted += n;
+  s.stats.accepted += m;
+  for (int64_t i = 0; i < n; ++i) s.stats.drafted_at[(size_t)i] += 1;
+  for (int64_t i = 0; i < m; ++i) s.stats.accepted_at[(size_t)i] += 1;
+  s.stats.verify_seconds += seconds_since(t1);
+  commit(s, m + 1);
+  return true;
+}
+
+std::vector<int32_t> Engine::step(int32_t seq) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Sequence& s = get(seq);
+  if (!s.has_logits)
+    throw Error("step() needs logits to sample from: call prefill() first (a new or truncated sequence has none)");
+  const auto t0 = Clock::now();
+  std::vector<int32_t> out;
+  const bool forwards = s.pending >= 0;  // a step right after prefill samples without a forward
+  bool done = false;
+  if (forwards && s.drafter) {
+    // Verify writes positions n_past .. n_past + n: clamp k to the context left.
+    const int64_t k = std::min<int64_t>(s.spec.k, n_ctx_ - s.n_past - 1);
+    if (k >= 1) done = speculative_step(s, k, out);
+  }
+  if (!done) {
+    if (forwards) forward_pending(s);
+    out.push_back(sample_pending(s));
+  }
+  if (forwards && s.drafter) {
+    s.stats.spec_steps += 1;
+    s.stats.spec_tokens += (int64_t)out.size();
+  }
+  s.stats.n_generated += (int64_t)out.size();
   s.stats.n_steps += 1;
   s.stats.decode_seconds += seconds_since(t0);
-  return {tok};
+  return out;
 }
 
 void Engine::truncate(int32_t seq, int64_t n_past) {
@@ -239,6 +500,7 @@ void Engine::truncate(int32_t seq, int64_t n_past) {
     throw Error("truncate(" + std::to_string(n_past) + "): the sequence holds " + std::to_string(s.n_past) +
                 " positions; keep between 0 and that many");
   s.keep(n_past);
+  if (s.drafter) s.drafter->rollback(n_past);
 }
 
 SeqStats Engine::stats(int32_t seq) const {

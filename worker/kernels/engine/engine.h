@@ -7,12 +7,27 @@
 // next step() first forwards the pending token. So no forward is wasted on the final
 // token, and a speculative step (draft k, verify [pending, d1..dk] in one forward, accept,
 // roll back) slots in behind the same call, returning 1..k+1 tokens.
+//
+// Speculative decoding (per sequence, set_speculation): while a token is pending, step()
+// asks the sequence's Drafter (drafter.h) for up to k tokens d1..dn, runs the target once
+// over [pending, d1..dn] (n+1 positions, all logits), and walks the positions with the
+// accept rule (accept.h) on the same penalised, transformed distributions plain sampling
+// uses: it keeps d1..dm, samples the bonus token from position m, and rolls the target KV
+// back to pending + d1..dm (the rejected rows are simply overwritten later); the drafter
+// is told through commit(). Returns [d1..dm, bonus]; the bonus is the new pending token.
+// Lossless: greedy output is token-for-token plain greedy (the forward is batch-invariant:
+// a position's logits are bit-identical whatever the batch), and sampled output follows
+// the target's distribution exactly (rejection sampling).
 #pragma once
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <unordered_map>
 #include <vector>
+#include "engine/drafter.h"
 #include "engine/sampler.h"
 #include "model/kv_cache.h"
 #include "model/model.h"
@@ -26,12 +41,30 @@ struct EngineOptions {
   int64_t max_batch = 256;  // positions per forward when prefilling (bounds scratch memory)
 };
 
+constexpr int32_t kMaxDraft = 32;  // largest k of set_speculation
+
+struct SpecParams {
+  std::string mode = "none";  // "none" | "draft" (the engine's draft model) | "ngram" | a registered drafter
+  int32_t k = 4;              // tokens drafted per step, 1..kMaxDraft (clamped near the end of the context)
+  int32_t ngram_min = 1;      // ngram: shortest suffix matched
+  int32_t ngram_max = 3;      // ngram: longest suffix matched (tried first)
+  void validate() const;      // throws Error naming the bad field
+};
+
 struct SeqStats {
   int64_t n_past = 0;        // positions in the KV cache
   int64_t n_prompt = 0;      // tokens given through prefill
   int64_t n_generated = 0;   // tokens returned by step()
   int64_t n_steps = 0;
   double prefill_seconds = 0, decode_seconds = 0;
+  // Speculation. A speculative step is a step() that forwards the target while a drafter is
+  // set (including those where the drafter proposed nothing: they return 1 token), so the
+  // mean acceptance length tau = spec_tokens / spec_steps counts them honestly.
+  int64_t spec_steps = 0;
+  int64_t spec_tokens = 0;                  // tokens returned by speculative steps
+  int64_t drafted = 0, accepted = 0;        // draft tokens proposed / accepted
+  std::vector<int64_t> drafted_at, accepted_at;  // [kMaxDraft]: steps that drafted / accepted draft i+1
+  double draft_seconds = 0, verify_seconds = 0;  // inside decode_seconds
 };
 
 class Engine {
@@ -49,6 +82,20 @@ class Engine {
 
   void set_sampling(int32_t seq, const SamplingParams& p);  // validates
 
+  // A second model of the same vocabulary for mode "draft" (throws Error if n_vocab
+  // differs). At most once, before sequences use it; the tensors must outlive the Engine.
+  void set_draft_model(const ModelConfig& cfg, const std::vector<TensorRef>& tensors);
+  bool has_draft_model() const { return draft_model_ != nullptr; }
+
+  // Makes mode `name` available to set_speculation (e.g. "dflash"); the factory builds one
+  // Drafter per sequence. Replaces an earlier registration of the same name.
+  using DrafterFactory = std::function<std::unique_ptr<Drafter>(const DrafterEnv&)>;
+  void register_drafter(const std::string& name, DrafterFactory factory);
+
+  // Turns speculation on ("draft", "ngram", a registered mode) or off ("none") for a
+  // sequence; validates (k in 1..kMaxDraft, the mode exists). Takes effect at the next step.
+  void set_speculation(int32_t seq, const SpecParams& p);
+
   // Samples the next token(s); see the protocol above. Needs a prefill first.
   std::vector<int32_t> step(int32_t seq);
 
@@ -65,8 +112,15 @@ class Engine {
   const Sequence& get(int32_t seq) const;
   void forward_chunked(Sequence& s, const int32_t* tokens, int64_t n, float* logits_out,
                        bool all_logits);
+  void forward_pending(Sequence& s);
+  int32_t sample_pending(Sequence& s);
+  bool speculative_step(Sequence& s, int64_t k, std::vector<int32_t>& out);
+  void target_forward(Sequence& s, const int32_t* tokens, int64_t n, float* logits, bool all_logits);
+  void commit(Sequence& s, int64_t n_new, int64_t row0 = 0);
 
   Model model_;
+  std::unique_ptr<Model> draft_model_;  // mode "draft"; null = none
+  std::map<std::string, DrafterFactory> factories_;
   EngineOptions opt_;
   int64_t n_ctx_ = 0;
   int32_t next_id_ = 1;

@@ -5,6 +5,7 @@
 #include "model/model.h"
 
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <unordered_map>
 
@@ -213,8 +214,15 @@ Model::Model(const ModelConfig& cfg, const std::vector<TensorRef>& tensors) : cf
 // ---------------------------------------------------------------- forward
 
 void Model::forward(KvCache& kv, const int32_t* tokens, int64_t n, int64_t pos0, float* logits,
-                    bool all_logits) const {
+                    bool all_logits, const HiddenCapture* capture) const {
   SPECD_CHECK(n > 0, "forward needs at least one token");
+  if (capture) {
+    SPECD_CHECK(capture->n_layers > 0 && capture->layers && capture->out, "hidden capture needs layers and an output");
+    for (int32_t j = 0; j < capture->n_layers; ++j)
+      SPECD_CHECK(capture->layers[j] >= 0 && capture->layers[j] < cfg_.n_layers,
+                  "hidden capture of layer " + std::to_string(capture->layers[j]) + ": the model has layers 0.." +
+                      std::to_string(cfg_.n_layers - 1));
+  }
   SPECD_CHECK(pos0 >= 0 && pos0 + n <= kv.n_ctx(),
               "forward of positions " + std::to_string(pos0) + ".." + std::to_string(pos0 + n) +
                   " past the KV cache's " + std::to_string(kv.n_ctx()) + " positions");
@@ -276,6 +284,15 @@ void Model::forward(KvCache& kv, const int32_t* tokens, int64_t n, int64_t pos0,
     swiglu(gate, up, gate, n * ffn);
     matmul(L.w_down, gate, n, a);  // [n, dim]
     add_inplace(h, a, n * dim);
+
+    if (capture) {  // h after block l -> out[i, j] for every j with layers[j] == l
+      const int32_t nc = capture->n_layers;
+      for (int32_t j = 0; j < nc; ++j) {
+        if (capture->layers[j] != l) continue;
+        for (int64_t i = 0; i < n; ++i)
+          std::memcpy(capture->out + (i * nc + j) * dim, h + i * dim, sizeof(float) * (size_t)dim);
+      }
+    }
   }
 
   if (logits == nullptr) return;

@@ -15,6 +15,15 @@
 
 namespace specd {
 
+// Optional output of Model::forward: the residual stream after chosen layers, for drafters
+// conditioned on target hidden states (DFlash). Off (null) by default, costing nothing.
+struct HiddenCapture {
+  const int32_t* layers = nullptr;  // [n_layers] block indices in [0, model n_layers), any order
+  int32_t n_layers = 0;
+  float* out = nullptr;             // [n, n_layers, dim]: out[i, j] = h after block layers[j],
+                                    // position pos0 + i (the input of block layers[j] + 1)
+};
+
 struct LayerWeights {
   const float* attn_norm = nullptr;           // [dim]
   WeightView wq, wk, wv, wo;                  // [dim -> n_heads*hd], [dim -> kv_dim] x2, [n_heads*hd -> dim]
@@ -42,10 +51,15 @@ class Model {
   // logits: [n, n_vocab] when all_logits, else [n_vocab] for the last token only;
   // null skips the output head (a prompt chunk whose logits nobody reads).
   // n is bounded by the caller (the engine splits long prompts into chunks).
+  // capture (optional): also writes the residual stream after the given layers.
   void forward(KvCache& kv, const int32_t* tokens, int64_t n, int64_t pos0, float* logits,
-               bool all_logits) const;
+               bool all_logits, const HiddenCapture* capture = nullptr) const;
 
   int64_t kv_dim() const { return (int64_t)cfg_.n_kv_heads * cfg_.head_dim; }
+
+  // The shared input embedding and output head (drafters such as DFlash reuse them).
+  const WeightView& token_embedding() const { return tok_embd_; }  // [n_vocab rows of dim]
+  const WeightView& output_head() const { return output_; }        // [n_vocab rows of dim]
 
  private:
   ModelConfig cfg_;

@@ -1,0 +1,104 @@
+// specd/engine/draft_model.cpp: the draft-model drafter: a second (smaller or more
+// quantized) model of the same vocabulary proposes k tokens autoregressively from its own
+// KV cache, kept in step with the target's.
+//
+// Sync: the draft KV holds `cached_` (tokens at positions 0..size-1). Before drafting it
+// keeps the longest common prefix of cached_ and the target's sequence (so rejected drafts,
+// truncation and new prompts need no bookkeeping beyond this compare) and forwards the
+// tokens it has not seen (after a step: the bonus token, plus the last draft when all
+// were accepted), keeping the last position's logits.
+// Drafting: token i is the argmax (greedy) or a draw from the draft's own transformed
+// distribution (same sampling parameters, penalties over the history extended by the
+// drafts so far, the draft RNG stream), which is then q's row i. d1..d_{k-1} are forwarded
+// into the draft KV (d_k is not: nothing reads its logits unless it is accepted).
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+#include "common/types.h"
+#include "engine/drafter.h"
+#include "model/kv_cache.h"
+#include "model/model.h"
+
+namespace specd {
+
+namespace {
+
+constexpr int64_t kCatchUpChunk = 256;  // positions per forward when catching up (bounds scratch)
+
+class DraftModelDrafter final : public Drafter {
+ public:
+  DraftModelDrafter(const Model& m, const DrafterEnv& env)
+      : m_(m),
+        kv_(m.config().n_layers, env.n_ctx, m.kv_dim(), env.kv_f16),
+        logits_((size_t)m.config().n_vocab),
+        work_((size_t)m.config().n_vocab) {}
+
+  const char* name() const override { return "draft"; }
+
+  void draft(const DraftContext& ctx, int k, std::vector<int32_t>& tokens, std::vector<float>& q) override {
+    const int64_t nv = m_.config().n_vocab, n = ctx.n_tokens;
+    SPECD_CHECK(n >= 1 && n + k - 1 <= kv_.n_ctx(), "draft model: sequence of " + std::to_string(n) +
+                                                        " tokens + " + std::to_string(k) + " drafts exceeds its context");
+    // ---- catch up: keep the common prefix, forward the rest (at least the last token)
+    int64_t keep = 0;
+    const int64_t lim = std::min<int64_t>((int64_t)cached_.size(), n - 1);
+    while (keep < lim && cached_[(size_t)keep] == ctx.tokens[keep]) ++keep;
+    cached_.resize((size_t)keep);
+    for (int64_t done = keep; done < n;) {
+      const int64_t c = std::min(kCatchUpChunk, n - done);
+      const bool last = done + c == n;
+      m_.forward(kv_, ctx.tokens + done, c, done, last ? logits_.data() : nullptr, false);
+      cached_.insert(cached_.end(), ctx.tokens + done, ctx.tokens + done + c);
+      done += c;
+    }
+
+    // ---- draft k tokens
+    const SamplingParams& sp = *ctx.params;
+    const bool greedy = sp.greedy();
+    gen_.assign(ctx.generated, ctx.generated + ctx.n_generated);
+    tokens.clear();
+    q.clear();
+    if (!greedy) q.resize((size_t)(k * nv));
+    for (int i = 0; i < k; ++i) {
+      std::memcpy(work_.data(), logits_.data(), sizeof(float) * (size_t)nv);
+      apply_penalties(work_.data(), nv, sp, ctx.prompt, ctx.n_prompt, gen_.data(), (int64_t)gen_.size());
+      int32_t t;
+      if (greedy) {
+        t = argmax(work_.data(), nv);
+      } else {
+        float* qi = q.data() + (size_t)i * nv;  // [n_vocab] the distribution t is drawn from
+        sampling_probs(work_.data(), nv, sp, qi);
+        t = sample_from(qi, nv, ctx.rng->uniform());
+      }
+      tokens.push_back(t);
+      gen_.push_back(t);
+      if (i + 1 < k) {
+        m_.forward(kv_, &t, 1, n + i, logits_.data(), false);
+        cached_.push_back(t);
+      }
+    }
+  }
+
+  void rollback(int64_t n_past) override {
+    if ((int64_t)cached_.size() > n_past) cached_.resize((size_t)n_past);
+  }
+
+ private:
+  const Model& m_;
+  KvCache kv_;                    // this sequence's draft KV
+  std::vector<int32_t> cached_;   // [positions in kv_] the tokens they hold
+  std::vector<float> logits_;     // [n_vocab] the draft's logits at the last cached position
+  std::vector<float> work_;       // [n_vocab] penalised logits
+  std::vector<int32_t> gen_;      // generated tokens + drafts so far (penalties)
+};
+
+}  // namespace
+
+std::unique_ptr<Drafter> make_draft_model_drafter(const Model& draft, const DrafterEnv& env) {
+  SPECD_CHECK(env.target != nullptr && env.target->config().n_vocab == draft.config().n_vocab,
+              "draft model vocabulary differs from the target's");
+  return std::make_unique<DraftModelDrafter>(draft, env);
+}
+
+}  // namespace specd
