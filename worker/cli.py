@@ -1,6 +1,6 @@
 """The `specd` command line: argument parsing and printing, nothing else.
 
-Subcommands: `models pull|list`, `generate`, `perplexity`, and the serving stack: `up`
+Subcommands: `models pull|list|derive`, `generate`, `perplexity`, and the serving stack: `up`
 (Redis + workers + gateway, worker/launcher.py), `worker` (worker/service.py) and
 `gateway` (gateway/server.py). Each one is an `_add_<name>` function that registers its
 parser and handler. Only argparse and worker.errors are imported at module level:
@@ -63,14 +63,27 @@ def _load(args: argparse.Namespace):
 # ---- specd models ----
 
 def _add_models(sub) -> None:
-    p = sub.add_parser("models", help="fetch and list cached models")
-    msub = p.add_subparsers(dest="models_cmd", metavar="{pull,list}", required=True)
+    p = sub.add_parser("models", help="fetch, list and derive models")
+    msub = p.add_subparsers(dest="models_cmd", metavar="{pull,list,derive}", required=True)
     pull = msub.add_parser("pull", help="download and verify a known model; prints its path")
     pull.add_argument("name", nargs="?", default="demo", help="model name (default: demo)")
     pull.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
     pull.set_defaults(func=_cmd_models_pull)
     lst = msub.add_parser("list", help="models in the local cache ($SPECD_HOME)")
     lst.set_defaults(func=_cmd_models_list)
+    der = msub.add_parser(
+        "derive", help="write a re-quantized and/or layer-truncated copy of a model; prints its path",
+        description="Copy SRC to DST with 2-D weights re-quantized to --type and only the first --layers "
+                    "blocks (see worker/derive.py); e.g. a Q8_0 benchmark copy or a truncated test draft.")
+    der.add_argument("src", help="a known model name (demo) or a path to a .gguf file")
+    der.add_argument("dst", help="output .gguf path")
+    der.add_argument("--type", dest="weight_type", default=None,
+                     choices=("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "F16", "F32", "BF16"),
+                     help="weight type of the 2-D weights (default: keep each tensor's type)")
+    der.add_argument("--layers", type=int, default=None, metavar="N",
+                     help="keep only the first N transformer blocks (default: all)")
+    der.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    der.set_defaults(func=_cmd_models_derive)
 
 
 def _cmd_models_pull(args: argparse.Namespace) -> int:
@@ -93,6 +106,17 @@ def _cmd_models_list(args: argparse.Namespace) -> int:
     width = max(len(name) for name, _, _ in found)
     for name, path, size in found:
         print(f"{name:<{width}}  {size / 2**20:8.1f} MiB  {path}")
+    return 0
+
+
+def _cmd_models_derive(args: argparse.Namespace) -> int:
+    from worker.derive import derive_gguf
+    from worker.models import resolve_model
+
+    src = resolve_model(args.src)  # InvalidRequestError (a SpecdError) for a bad name or path
+    # derive_gguf checks --layers against the file's block count (ModelLoadError)
+    print(derive_gguf(src, args.dst, weight_type=args.weight_type, n_layers=args.layers,
+                      progress=not args.quiet))
     return 0
 
 
