@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from machine import cpu_name  # bench/machine.py (scripts run from bench/)
+
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,15 +45,6 @@ PROMPT = (
     "trust, speed and access return with every new way of sharing words, and"
 )
 
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def bench_specd(path: Path, prompt_ids: list[int], n_gen: int, threads: int) -> dict:

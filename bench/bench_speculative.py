@@ -32,6 +32,8 @@ import sys
 import time
 from pathlib import Path
 
+from machine import cpu_name  # bench/machine.py (scripts run from bench/)
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -47,15 +49,6 @@ PROMPTS = {
             "```python\n" + EDIT_CODE + "```",
 }
 
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def decode(eng, ids: list[int], n_gen: int, mode: str, k: int) -> dict:

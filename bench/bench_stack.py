@@ -30,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+from machine import cpu_name  # bench/machine.py (scripts run from bench/)
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -44,15 +46,6 @@ PROMPTS = [
     "How does a bicycle stay upright?",
 ]
 
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def pct(values: list[float], q: float) -> float:
