@@ -13,6 +13,7 @@
 
 #include "common/parallel.h"
 #include "cpu/quants.h"
+#include "model/tensor_table.h"
 
 namespace specd {
 
@@ -68,90 +69,8 @@ void DFlashConfig::validate() const {
 
 namespace {
 
-std::string shape_str(const std::vector<int64_t>& ne) {
-  std::string s = "[";
-  for (size_t i = 0; i < ne.size(); ++i) s += (i ? ", " : "") + std::to_string(ne[i]);
-  return s + "]";
-}
-
-std::vector<int64_t> squeezed(std::vector<int64_t> ne) {
-  while (ne.size() > 1 && ne.back() == 1) ne.pop_back();
-  return ne;
-}
-
-class Tensors {
- public:
-  explicit Tensors(const std::vector<TensorRef>& ts) {
-    for (const auto& t : ts) by_name_.emplace(t.name, &t);
-  }
-  const TensorRef* find(const std::string& name) const {
-    auto it = by_name_.find(name);
-    return it == by_name_.end() ? nullptr : it->second;
-  }
-  const TensorRef& need(const std::string& name, const std::vector<int64_t>& ne) const {
-    const TensorRef* t = find(name);
-    if (!t)
-      throw Error("the DFlash file has no tensor '" + name + "' (shape " + shape_str(ne) +
-                  "); convert the checkpoint again with worker/dflash_convert.py");
-    check_shape(*t, ne);
-    return *t;
-  }
-  WeightView matrix(const std::string& name, int64_t n_in, int64_t n_out) const {
-    const TensorRef& t = need(name, {n_in, n_out});
-    const TypeTraits& tt = type_traits((int32_t)t.type);
-    if (n_in % tt.block_elems != 0)
-      throw Error("tensor '" + name + "' has rows of " + std::to_string(n_in) + " elements, not a multiple of the " +
-                  tt.name + " block size " + std::to_string(tt.block_elems));
-    WeightView w;
-    w.type = t.type;
-    w.n_in = n_in;
-    w.n_out = n_out;
-    w.data = t.data;
-    w.row_stride = row_bytes(t.type, n_in);
-    check_bytes(t, w.row_stride * (size_t)n_out);
-    return w;
-  }
-  const float* vec(const TensorRef& t, int64_t n) const {
-    check_shape(t, {n});
-    if (t.type != GgmlType::F32)
-      throw Error("tensor '" + t.name + "' is stored as " + type_traits((int32_t)t.type).name +
-                  "; norm weights and biases must be F32");
-    check_bytes(t, sizeof(float) * (size_t)n);
-    return reinterpret_cast<const float*>(t.data);
-  }
-  const float* vec(const std::string& name, int64_t n) const { return vec(need(name, {n}), n); }
-  const float* vec_opt(const std::string& name, int64_t n) const {
-    const TensorRef* t = find(name);
-    return t ? vec(*t, n) : nullptr;
-  }
-
- private:
-  static void check_shape(const TensorRef& t, const std::vector<int64_t>& ne) {
-    if (squeezed(t.ne) != squeezed(ne))
-      throw Error("tensor '" + t.name + "' has shape " + shape_str(t.ne) + ", expected " + shape_str(ne) +
-                  " from the DFlash metadata; the file does not match its metadata");
-  }
-  static void check_bytes(const TensorRef& t, size_t expect) {
-    if (t.data == nullptr || t.nbytes != expect)
-      throw Error("tensor '" + t.name + "' holds " + std::to_string(t.nbytes) + " bytes, its shape and type need " +
-                  std::to_string(expect) + " (truncated or corrupt file?)");
-  }
-  std::unordered_map<std::string, const TensorRef*> by_name_;
-};
-
-template <class T>
-void grow(std::vector<T>& v, size_t n) {
-  if (v.size() < n) v.resize(n);
-}
-
-void add_rows(float* y, const float* b, int64_t n, int64_t d) {
-  for (int64_t r = 0; r < n; ++r)
-    for (int64_t i = 0; i < d; ++i) y[r * d + i] += b[i];
-}
-
-void add_inplace(float* y, const float* x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] += x[i];
-}
+// What a DFlash tensor's expected shape comes from, for shape errors.
+constexpr const char* kFromMeta = "from the DFlash metadata";
 
 inline float load(const void* base, bool f16, int64_t i) {
   return f16 ? fp16_to_fp32(static_cast<const uint16_t*>(base)[i]) : static_cast<const float*>(base)[i];
@@ -166,32 +85,32 @@ DFlashModel::DFlashModel(const DFlashConfig& cfg, const std::vector<TensorRef>& 
   cfg_.validate();
   cfg_.rope.mode = RopeMode::Neox;  // qwen3-style rotate-half; the published drafters use it
   cfg_.rope.freq_factors = nullptr;
-  const Tensors T(tensors);
+  const TensorTable T(tensors, {"the DFlash file", "", "convert the checkpoint again with worker/dflash_convert.py"});
   const int64_t dim = cfg_.dim, hd = cfg_.head_dim, ffn = cfg_.ffn_dim;
   const int64_t q_dim = (int64_t)cfg_.n_heads * hd, kvd = cfg_.kv_dim();
 
-  fc_ = T.matrix("dflash_fc.weight", cfg_.feature_dim(), dim);
-  hidden_norm_ = T.vec("dflash_hidden_norm.weight", dim);
-  output_norm_ = T.vec("output_norm.weight", dim);
+  fc_ = T.matrix("dflash_fc.weight", cfg_.feature_dim(), dim, kFromMeta);
+  hidden_norm_ = T.vec("dflash_hidden_norm.weight", dim, kFromMeta);
+  output_norm_ = T.vec("output_norm.weight", dim, kFromMeta);
   layers_.resize((size_t)cfg_.n_layers);
   for (int32_t i = 0; i < cfg_.n_layers; ++i) {
     const std::string p = "blk." + std::to_string(i) + ".";
     DFlashLayerWeights& L = layers_[(size_t)i];
-    L.attn_norm = T.vec(p + "attn_norm.weight", dim);
-    L.wq = T.matrix(p + "attn_q.weight", dim, q_dim);
-    L.wk = T.matrix(p + "attn_k.weight", dim, kvd);
-    L.wv = T.matrix(p + "attn_v.weight", dim, kvd);
-    L.wo = T.matrix(p + "attn_output.weight", q_dim, dim);
-    L.bq = T.vec_opt(p + "attn_q.bias", q_dim);
-    L.bk = T.vec_opt(p + "attn_k.bias", kvd);
-    L.bv = T.vec_opt(p + "attn_v.bias", kvd);
-    L.bo = T.vec_opt(p + "attn_output.bias", dim);
-    L.q_norm = T.vec(p + "attn_q_norm.weight", hd);
-    L.k_norm = T.vec(p + "attn_k_norm.weight", hd);
-    L.ffn_norm = T.vec(p + "ffn_norm.weight", dim);
-    L.w_gate = T.matrix(p + "ffn_gate.weight", dim, ffn);
-    L.w_up = T.matrix(p + "ffn_up.weight", dim, ffn);
-    L.w_down = T.matrix(p + "ffn_down.weight", ffn, dim);
+    L.attn_norm = T.vec(p + "attn_norm.weight", dim, kFromMeta);
+    L.wq = T.matrix(p + "attn_q.weight", dim, q_dim, kFromMeta);
+    L.wk = T.matrix(p + "attn_k.weight", dim, kvd, kFromMeta);
+    L.wv = T.matrix(p + "attn_v.weight", dim, kvd, kFromMeta);
+    L.wo = T.matrix(p + "attn_output.weight", q_dim, dim, kFromMeta);
+    L.bq = T.vec_opt(p + "attn_q.bias", q_dim, kFromMeta);
+    L.bk = T.vec_opt(p + "attn_k.bias", kvd, kFromMeta);
+    L.bv = T.vec_opt(p + "attn_v.bias", kvd, kFromMeta);
+    L.bo = T.vec_opt(p + "attn_output.bias", dim, kFromMeta);
+    L.q_norm = T.vec(p + "attn_q_norm.weight", hd, kFromMeta);
+    L.k_norm = T.vec(p + "attn_k_norm.weight", hd, kFromMeta);
+    L.ffn_norm = T.vec(p + "ffn_norm.weight", dim, kFromMeta);
+    L.w_gate = T.matrix(p + "ffn_gate.weight", dim, ffn, kFromMeta);
+    L.w_up = T.matrix(p + "ffn_up.weight", dim, ffn, kFromMeta);
+    L.w_down = T.matrix(p + "ffn_down.weight", ffn, dim, kFromMeta);
   }
 }
 

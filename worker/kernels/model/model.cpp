@@ -11,6 +11,7 @@
 
 #include "cpu/ops.h"
 #include "cpu/quants.h"
+#include "model/tensor_table.h"
 
 namespace specd {
 
@@ -58,112 +59,12 @@ const char* arch_name(Arch a) {
   return "?";
 }
 
-std::string shape_str(const std::vector<int64_t>& ne) {
-  std::string s = "[";
-  for (size_t i = 0; i < ne.size(); ++i) s += (i ? ", " : "") + std::to_string(ne[i]);
-  return s + "]";
-}
-
-// Trailing 1s carry no data ([576, 1] is [576]); GGUF writers differ on keeping them.
-std::vector<int64_t> squeezed(std::vector<int64_t> ne) {
-  while (ne.size() > 1 && ne.back() == 1) ne.pop_back();
-  return ne;
-}
-
-// Name -> tensor lookup with the checks every weight needs.
-class Tensors {
- public:
-  Tensors(const std::vector<TensorRef>& ts, Arch arch) : arch_(arch) {
-    for (const auto& t : ts) by_name_.emplace(t.name, &t);  // duplicates: first wins
-  }
-
-  const TensorRef* find(const std::string& name) const {
-    auto it = by_name_.find(name);
-    return it == by_name_.end() ? nullptr : it->second;
-  }
-
-  const TensorRef& need(const std::string& name, const std::vector<int64_t>& shape) const {
-    const TensorRef* t = find(name);
-    if (!t)
-      throw Error("the model file has no tensor '" + name + "' (a " + arch_name(arch_) +
-                  " model needs it, shape " + shape_str(shape) + "); is the file complete?");
-    return *t;
-  }
-
-  // A stored matrix ne = [n_in, n_out] (any supported type) as a matmul operand.
-  WeightView matrix(const TensorRef& t, int64_t n_in, int64_t n_out, const char* meaning) const {
-    check_shape(t, {n_in, n_out}, meaning);
-    const TypeTraits& tt = type_traits((int32_t)t.type);
-    if (n_in % tt.block_elems != 0)
-      throw Error("tensor '" + t.name + "' has rows of " + std::to_string(n_in) + " elements, not a multiple of the " +
-                  tt.name + " block size " + std::to_string(tt.block_elems));
-    WeightView w;
-    w.type = t.type;
-    w.n_in = n_in;
-    w.n_out = n_out;
-    w.data = t.data;
-    w.row_stride = row_bytes(t.type, n_in);
-    check_bytes(t, w.row_stride * (size_t)n_out);
-    return w;
-  }
-  WeightView matrix(const std::string& name, int64_t n_in, int64_t n_out, const char* meaning) const {
-    return matrix(need(name, {n_in, n_out}), n_in, n_out, meaning);
-  }
-
-  // A float32 vector (norm weight, bias, rope factors) of n elements.
-  const float* vec(const TensorRef& t, int64_t n, const char* meaning) const {
-    check_shape(t, {n}, meaning);
-    if (t.type != GgmlType::F32)
-      throw Error("tensor '" + t.name + "' is stored as " + type_traits((int32_t)t.type).name +
-                  "; norm weights and biases must be F32");
-    check_bytes(t, sizeof(float) * (size_t)n);
-    return reinterpret_cast<const float*>(t.data);
-  }
-  const float* vec(const std::string& name, int64_t n, const char* meaning) const {
-    return vec(need(name, {n}), n, meaning);
-  }
-  const float* vec_opt(const std::string& name, int64_t n, const char* meaning) const {
-    const TensorRef* t = find(name);
-    return t ? vec(*t, n, meaning) : nullptr;
-  }
-
- private:
-  static void check_shape(const TensorRef& t, const std::vector<int64_t>& expect, const char* meaning) {
-    if (squeezed(t.ne) != squeezed(expect))
-      throw Error("tensor '" + t.name + "' has shape " + shape_str(t.ne) + ", expected " + shape_str(expect) +
-                  " (" + meaning + "); the file does not match its metadata");
-  }
-  static void check_bytes(const TensorRef& t, size_t expect) {
-    if (t.data == nullptr || t.nbytes != expect)
-      throw Error("tensor '" + t.name + "' holds " + std::to_string(t.nbytes) + " bytes, its shape and type need " +
-                  std::to_string(expect) + " (truncated or corrupt file?)");
-  }
-
-  Arch arch_;
-  std::unordered_map<std::string, const TensorRef*> by_name_;
-};
-
-template <class T>
-void grow(std::vector<T>& v, size_t n) {
-  if (v.size() < n) v.resize(n);
-}
-
-// y[r] += b for each of n rows.   y: [n, d]; b: [d]
-void add_rows(float* y, const float* b, int64_t n, int64_t d) {
-  for (int64_t r = 0; r < n; ++r)
-    for (int64_t i = 0; i < d; ++i) y[r * d + i] += b[i];
-}
-
-// y += x over n elements (the residual connection).
-void add_inplace(float* y, const float* x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] += x[i];
-}
-
 }  // namespace
 
 Model::Model(const ModelConfig& cfg, const std::vector<TensorRef>& tensors) : cfg_(cfg) {
   cfg_.validate();
-  const Tensors T(tensors, cfg_.arch);
+  const TensorTable T(tensors, {"the model file", std::string("a ") + arch_name(cfg_.arch) + " model needs it, ",
+                                "is the file complete?"});
   const int64_t dim = cfg_.dim, hd = cfg_.head_dim, ffn = cfg_.ffn_dim, nv = cfg_.n_vocab;
   const int64_t q_dim = (int64_t)cfg_.n_heads * hd, kvd = kv_dim();
 
