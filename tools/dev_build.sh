@@ -8,6 +8,7 @@ name="${1:-default}"
 out="build/dev-$name"
 cmake -S worker/kernels -B "$out" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DSPECD_BACKEND="${SPECD_BACKEND:-cpu}" -DSPECD_DEV_OUTPUT_DIR="$PWD/$out" \
+  -DSPECD_CUDA_ARCHITECTURES="${SPECD_CUDA_ARCHITECTURES:-}" -DSPECD_HIP_ARCHITECTURES="${SPECD_HIP_ARCHITECTURES:-gfx90a}" \
   -Dpybind11_DIR="$(python3 -m pybind11 --cmakedir)" -DPython_EXECUTABLE="$(command -v python3)" >/dev/null
 cmake --build "$out" -j "${JOBS:-2}"
 echo "built: $(ls "$out"/_specd*.so)"

@@ -39,6 +39,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", "-m", default="demo",
                    help="a known model name (demo) or a path to a .gguf file (default: demo)")
+    g.add_argument("--device", type=_device, default="cpu",
+                   help="cpu, cuda:N or hip:N (default: cpu; GPUs need a SPECD_BACKEND=cuda|hip build)")
     g.add_argument("--threads", "-t", type=_positive_int, default=None,
                    help="CPU threads (default: all cores)")
     g.add_argument("--ctx-size", "-c", type=_positive_int, default=None,
@@ -56,8 +58,11 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
 def _load(args: argparse.Namespace):
     from worker.generate import Generator
 
+    from worker.service import check_device
+
+    check_device(args.device)
     return Generator(args.model, n_ctx=args.ctx_size, n_threads=args.threads, kv_type=args.kv_type,
-                     draft=getattr(args, "draft", None), draft_k=getattr(args, "draft_k", 4))
+                     draft=getattr(args, "draft", None), draft_k=getattr(args, "draft_k", 4), device=args.device)
 
 
 # ---- specd models ----

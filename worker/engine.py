@@ -62,6 +62,18 @@ SPEC_MODES = ("none", "draft", "ngram")  # built in; the native engine may regis
 MAX_DRAFT = 32  # largest k per speculative step (engine.h kMaxDraft)
 
 
+def check_device(device: str) -> None:
+    """Raises InvalidRequestError unless `device` is cpu, cuda[:N] or hip[:N]."""
+    import re
+
+    if not isinstance(device, str) or not re.fullmatch(r"cpu|(cuda|hip)(:\d{1,4})?", device):
+        raise InvalidRequestError(f"device must be cpu, cuda:N or hip:N, got {device!r}")
+
+
+def _is_device_error(message: str) -> bool:
+    return any(word in message for word in ("device", "SPECD_BACKEND", "MiB", "cuda", "hip"))
+
+
 def check_same_vocabulary(target: ModelFile, draft: ModelFile) -> None:
     """Raises ModelLoadError unless both files carry identical token tables
     (tokenizer.ggml.tokens): speculation compares token ids, so they must mean the same."""
@@ -90,7 +102,8 @@ class Engine:
     Options: n_ctx (tokens per sequence; None = min(n_ctx_train, 4096)), n_threads
     (None = all cores), kv_type ("f16" | "f32"), max_batch (positions per forward while
     prefilling; bounds scratch memory), draft_model (a second ModelFile with the same token
-    table, for speculation mode "draft"). A file whose tensors do not match its metadata,
+    table, for speculation mode "draft"), device ("cpu", or "cuda:N" / "hip:N" when built
+    with that GPU backend; a draft model runs on the same device). A file whose tensors do not match its metadata,
     or a draft whose vocabulary differs, raises ModelLoadError; bad options raise
     InvalidRequestError.
     """
@@ -104,13 +117,15 @@ class Engine:
         kv_type: str = "f16",
         max_batch: int = 256,
         draft_model: ModelFile | None = None,
+        device: str = "cpu",
     ) -> None:
+        check_device(device)
         if kv_type not in KV_TYPES:
             raise InvalidRequestError(f"kv_type must be one of {', '.join(KV_TYPES)}, got {kv_type!r}")
         for name, value, low in (("n_ctx", n_ctx, 1), ("n_threads", n_threads, 1), ("max_batch", max_batch, 1)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
                 raise InvalidRequestError(f"{name} must be an integer >= {low}, got {value!r}")
-        options: dict[str, Any] = {"kv_type": kv_type, "max_batch": max_batch}
+        options: dict[str, Any] = {"kv_type": kv_type, "max_batch": max_batch, "device": device}
         if n_ctx is not None:
             options["n_ctx"] = n_ctx
         if n_threads is not None:
@@ -128,7 +143,9 @@ class Engine:
             self._native = native.Engine(model.config.to_native(), model.tensors, options, **draft_args)
             if dflash:
                 self._native.set_dflash(draft_model.config.to_native(), draft_model.tensors)
-        except EngineError as exc:  # options are checked above: what is left is the files
+        except EngineError as exc:  # options are checked above: what is left is the files or the device
+            if device != "cpu" and _is_device_error(str(exc)):
+                raise ModelLoadError(f"{model.path} on {device}: {exc}") from exc
             files = f"{model.path}" + (f" / draft {draft_model.path}" if draft_model is not None else "")
             raise ModelLoadError(f"{files}: {exc}") from exc
         self.model = model
@@ -136,6 +153,7 @@ class Engine:
         self.config: ModelConfig = model.config
         self.n_ctx: int = self._native.n_ctx
         self.n_vocab: int = self._native.n_vocab
+        self.device: str = self._native.device
         self._sequences: weakref.WeakSet[Sequence] = weakref.WeakSet()
 
     @property
@@ -146,6 +164,16 @@ class Engine:
         if self._native is None:
             raise EngineError("the engine is closed")
         return self._native
+
+    def bench_forward(self, n_tokens: int, pos0: int, reps: int, all_rows: bool = True) -> list[float]:
+        """Seconds of each of `reps` forwards of n_tokens positions from pos0 on a scratch
+        cache (device-synchronised). all_rows: every row's argmax on the device, as a greedy
+        speculative verify; else a prefill (max_batch chunks, last row's logits only)."""
+        return list(self._engine().bench_forward(int(n_tokens), int(pos0), int(reps), bool(all_rows)))
+
+    def memory(self) -> dict[str, Any]:
+        """Bytes of weights, KV caches and scratch, and the device's total/free memory."""
+        return dict(self._engine().memory())
 
     def new_sequence(self) -> Sequence:
         seq = Sequence(self, self._engine().new_sequence())

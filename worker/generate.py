@@ -158,6 +158,7 @@ class Generator:
         kv_type: str = "f16",
         draft: str | os.PathLike | None = None,
         draft_k: int = 4,
+        device: str = "cpu",
     ):
         from worker.models import resolve_model
 
@@ -194,7 +195,8 @@ class Generator:
             # a DFlash block drafter (docs/dflash-gguf.md) drafts up to block_size - 1 tokens
             self.draft_mode = "dflash" if self.draft_file.config.arch == "dflash" else "draft"
         self.engine = Engine(
-            self.model_file, n_ctx=n_ctx, n_threads=n_threads, kv_type=kv_type, draft_model=self.draft_file
+            self.model_file, n_ctx=n_ctx, n_threads=n_threads, kv_type=kv_type, draft_model=self.draft_file,
+            device=device,
         )
         self._stop_ids = frozenset(int(t) for t in self.tokenizer.stop_ids)
 

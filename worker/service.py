@@ -59,16 +59,24 @@ _GPU_DEVICE = re.compile(r"^(cuda|hip):(\d+)$")
 # ---- configuration ----
 
 def check_device(device: str) -> str:
+    """`device` if this build can use it; InvalidRequestError (before anything loads) when
+    the string is malformed or names a GPU backend this install was not built with. A
+    missing GPU index is reported by the engine when it loads (with the devices it sees)."""
     if device == "cpu":
         return device
     m = _GPU_DEVICE.match(device)
-    if m:
+    if not m:
+        raise InvalidRequestError(f"device {device!r} is not one of cpu, cuda:N, hip:N (N = GPU index)")
+    from worker.engine import native
+
+    if native.backend != m.group(1):
         backend = {"cuda": "CUDA", "hip": "HIP (ROCm)"}[m.group(1)]
         raise InvalidRequestError(
-            f"device {device!r}: the {backend} backend is not built yet; only --device cpu works "
-            f"in this version"
+            f"device {device!r}: this specd was built without the {backend} backend "
+            f"(SPECD_BACKEND={native.backend}); reinstall it with SPECD_BACKEND={m.group(1)} pip install . "
+            f"or use --device cpu"
         )
-    raise InvalidRequestError(f"device {device!r} is not one of cpu, cuda:N, hip:N (N = GPU index)")
+    return device
 
 
 def served_name(model: str, name: str | None = None) -> str:
@@ -237,8 +245,8 @@ def run_worker(
 ) -> int:
     """Serves `model` from Redis until SIGTERM/SIGINT; returns the process exit code.
 
-    model: a known name (demo) or a .gguf path; device: cpu (cuda:N / hip:N refused until
-    those backends exist); redis_url: where the queues live; prefix: Keys prefix shared
+    model: a known name (demo) or a .gguf path; device: cpu, cuda:N or hip:N (the GPU
+    backends need a build with SPECD_BACKEND=cuda|hip); redis_url: where the queues live; prefix: Keys prefix shared
     with the gateway (SPECD_REDIS_PREFIX); name: served model name (default: the known
     name, else the file stem); n_ctx / n_threads: engine options (None = engine default);
     heartbeat_s / ttl_s: heartbeat period and key TTL (the gateway declares a worker
@@ -263,7 +271,7 @@ def run_worker(
     from worker.generate import Generator
 
     t0 = time.perf_counter()
-    generator = Generator(model, n_ctx=n_ctx, n_threads=n_threads)
+    generator = Generator(model, n_ctx=n_ctx, n_threads=n_threads, device=device)
     host, pid = socket.gethostname(), os.getpid()
     worker_id = f"{host}-{pid}-{uuid.uuid4().hex[:8]}"
     state = jobs.Resident(generator=generator, redis=redis, keys=keys, worker_id=worker_id, model=served)

@@ -191,12 +191,18 @@ def test_device_and_served_name_rules():
     from worker.errors import InvalidRequestError
     from worker.service import check_device, served_name
 
+    from worker.engine import native
+
     assert check_device("cpu") == "cpu"
-    with pytest.raises(InvalidRequestError, match=r"device 'cuda:0': the CUDA backend is not built yet; "
-                                                  r"only --device cpu works"):
-        check_device("cuda:0")
-    with pytest.raises(InvalidRequestError, match=r"the HIP \(ROCm\) backend is not built yet"):
-        check_device("hip:1")
+    for device, name in (("cuda:0", "CUDA"), ("hip:1", r"HIP \(ROCm\)")):
+        if native.backend == device.split(":")[0]:
+            assert check_device(device) == device
+            continue
+        with pytest.raises(InvalidRequestError, match=rf"device '{device}': this specd was built without the "
+                                                      rf"{name} backend \(SPECD_BACKEND={native.backend}\); "
+                                                      r"reinstall it with SPECD_BACKEND=\w+ pip install \. or use "
+                                                      r"--device cpu"):
+            check_device(device)
     with pytest.raises(InvalidRequestError, match=r"device 'gpu' is not one of cpu, cuda:N, hip:N"):
         check_device("gpu")
     assert served_name("demo") == "demo"
@@ -205,12 +211,17 @@ def test_device_and_served_name_rules():
 
 
 def test_bad_device_exits_2_before_loading(redis_url):
-    res = subprocess.run([sys.executable, "-m", "worker.service", "--device", "cuda:0",
+    from worker.engine import native
+
+    if native.backend == "hip":
+        pytest.skip("this build serves hip devices")
+    res = subprocess.run([sys.executable, "-m", "worker.service", "--device", "hip:0",
                           "--redis-url", redis_url],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert res.returncode == 2
     assert res.stderr.strip().splitlines()[-1] == (
-        "error: device 'cuda:0': the CUDA backend is not built yet; only --device cpu works in this version")
+        f"error: device 'hip:0': this specd was built without the HIP (ROCm) backend "
+        f"(SPECD_BACKEND={native.backend}); reinstall it with SPECD_BACKEND=hip pip install . or use --device cpu")
 
 
 # ---- serving ----

@@ -18,13 +18,12 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
+from helpers.weights import random_weight
 from worker.engine import native, ops
 
 EngineError = native.EngineError
 
 ALL_TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]
-HALF_FIELDS = {T.Q8_0: (0,), T.Q4_0: (0,), T.Q5_0: (0,), T.Q4_1: (0, 2), T.Q5_1: (0, 2),
-               T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
 U = 2.0**-24  # float32 unit roundoff
 
 
@@ -34,24 +33,6 @@ def two_threads():
     native.set_num_threads(2)
     yield
     native.set_num_threads(0)
-
-
-def random_weight(rng: np.random.Generator, qtype: T, n_out: int, n_in: int) -> np.ndarray:
-    """Raw bytes of an [n_out, n_in] weight: random payload, finite nonzero fp16 scales."""
-    if qtype == T.F32:
-        return rng.standard_normal((n_out, n_in), dtype=np.float32).view(np.uint8).reshape(-1)
-    if qtype == T.F16:
-        return rng.standard_normal((n_out, n_in)).astype(np.float16).view(np.uint8).reshape(-1)
-    if qtype == T.BF16:
-        w = rng.standard_normal((n_out, n_in), dtype=np.float32).view(np.uint32) >> 16
-        return w.astype(np.uint16).view(np.uint8).reshape(-1)
-    block_elems, block_bytes = GGML_QUANT_SIZES[qtype]
-    nblk = n_out * n_in // block_elems
-    blocks = rng.integers(0, 256, size=(nblk, block_bytes), dtype=np.uint8)
-    for off in HALF_FIELDS[qtype]:
-        v = rng.uniform(0.5, 1.0, nblk) * 2.0 ** rng.integers(-8, 1, nblk) * rng.choice([-1.0, 1.0], nblk)
-        blocks[:, off:off + 2] = v.astype(np.float16).view(np.uint8).reshape(nblk, 2)
-    return blocks.reshape(-1)
 
 
 def n_in_for(qtype: T) -> int:

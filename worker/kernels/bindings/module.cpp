@@ -18,9 +18,14 @@
 #include "engine/engine.h"
 #include "engine/sampler.h"
 #include "model/dflash.h"
+#include "model/model.h"
 
 namespace py = pybind11;
 using namespace specd;
+
+#if SPECD_WITH_GPU
+void register_gpu_ops(py::module_& m);  // bindings/gpu_ops.cpp
+#endif
 
 namespace {
 
@@ -219,6 +224,9 @@ PYBIND11_MODULE(_specd, m) {
   m.def("set_num_threads", &set_num_threads, py::arg("n"));
   m.def("num_threads", &num_threads);
   m.def("supported_types", &supported_type_names);
+#if SPECD_WITH_GPU
+  register_gpu_ops(m);
+#endif
 
   py::class_<PyEngine>(m, "Engine")
       .def("set_dflash",
@@ -258,6 +266,7 @@ PYBIND11_MODULE(_specd, m) {
                if (kv != "f16" && kv != "f32") throw Error("kv_type must be 'f16' or 'f32', got '" + kv + "'");
              }
              opt.max_batch = get_or<int64_t>(options, "max_batch", opt.max_batch);
+             opt.device = get_or<std::string>(options, "device", opt.device);
              {
                py::gil_scoped_release nogil;
                pe->engine = std::make_unique<Engine>(cfg, refs, opt);
@@ -272,6 +281,26 @@ PYBIND11_MODULE(_specd, m) {
            [](PyEngine& e, int32_t seq, const py::dict& p) { e.engine->set_speculation(seq, spec_from_dict(p)); })
 
       .def_property_readonly("n_ctx", [](PyEngine& e) { return e.engine->n_ctx(); })
+      .def_property_readonly("device", [](PyEngine& e) { return e.engine->device(); })
+      .def(
+          "bench_forward",
+          [](PyEngine& e, int64_t n, int64_t pos0, int32_t reps, bool all_rows) {
+            py::gil_scoped_release nogil;
+            return e.engine->bench_forward(n, pos0, reps, all_rows);
+          },
+          py::arg("n"), py::arg("pos0"), py::arg("reps"), py::arg("all_rows") = true)
+      .def("memory",
+           [](PyEngine& e) {
+             const MemoryInfo m = e.engine->memory();
+             py::dict d;
+             d["weights_bytes"] = m.weights_bytes;
+             d["kv_bytes"] = m.kv_bytes;
+             d["scratch_bytes"] = m.scratch_bytes;
+             d["device_total_bytes"] = m.device_total_bytes;
+             d["device_free_bytes"] = m.device_free_bytes;
+             d["device_name"] = m.device_name;
+             return d;
+           })
       .def_property_readonly("n_vocab", [](PyEngine& e) { return e.engine->config().n_vocab; })
       .def("new_sequence", [](PyEngine& e) { return e.engine->new_sequence(); })
       .def("free_sequence", [](PyEngine& e, int32_t s) { e.engine->free_sequence(s); })

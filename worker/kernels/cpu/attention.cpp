@@ -23,6 +23,7 @@
 
 #include "common/parallel.h"
 #include "cpu/ops.h"
+#include "cpu/quants.h"
 
 namespace specd {
 
@@ -71,11 +72,7 @@ void head_scalar(const float* q, const T* k, const T* v, int64_t stride, int64_t
 }
 
 #if SPECD_HAVE_X86
-bool use_avx2() {
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                         __builtin_cpu_supports("f16c");
-  return ok;
-}
+bool use_avx2() { return cpu_supports_avx2_fma_f16c(); }  // cpu/quants.cpp
 
 // Positions per chunk of the AVX2 path. Fixed (see the header): changing it changes
 // rounding, but never makes results depend on batching or threads.

@@ -7,6 +7,9 @@
 // sub-block scale d*sc (11 + 6 bits) times q (4-5 bits) still fits in 24 bits, as does
 // Q6_K's (d*sc: 11 + 8 bits) * (q-32: 6 bits). The only rounding is the single add of the
 // offset (`+ m`, `- dmin*mn`), which a fused multiply-add performs identically.
+#if SPECD_HAVE_X86
+#include <cpuid.h>
+#endif
 #include "cpu/quants.h"
 
 #include <cstdlib>
@@ -15,6 +18,21 @@
 #include "cpu/quants_impl.h"
 
 namespace specd {
+
+bool cpu_supports_avx2_fma_f16c() {
+#if SPECD_HAVE_X86
+  static const bool ok = [] {
+    __builtin_cpu_init();
+    // F16C from CPUID (leaf 1, ECX bit 29): older clang (ROCm 5's hipcc) has no "f16c" name
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & (1u << 29)) != 0;
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
 
 namespace {
 
@@ -171,13 +189,7 @@ inline float piece_dot(const float* w, const float* x, int64_t len) {
 bool detect_avx2() {
   const char* force = std::getenv("SPECD_SIMD");
   if (force != nullptr && std::strcmp(force, "scalar") == 0) return false;
-#if SPECD_HAVE_X86
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-         __builtin_cpu_supports("f16c");
-#else
-  return false;
-#endif
+  return cpu_supports_avx2_fma_f16c();
 }
 
 }  // namespace

@@ -31,6 +31,8 @@ float dot_row_scalar(GgmlType type, const void* row, const float* x, int64_t n);
 
 // True when the AVX2 paths are compiled in and the CPU supports them.
 bool cpu_has_avx2();
+// The hardware check alone (AVX2 + FMA + F16C), ignoring SPECD_SIMD.
+bool cpu_supports_avx2_fma_f16c();
 // Name of the active SIMD path ("avx2" or "scalar"), for stats and benchmarks.
 const char* simd_path();
 

@@ -101,7 +101,7 @@ class DFlashDrafter final : public Drafter {
 
  private:
   const DFlashModel& m_;
-  const Model& target_;           // its token embedding and output head
+  const ForwardModel& target_;    // its token embedding and output head (host views)
   KvCache kv_;                    // context K/V of positions 0..n_cached_-1, then block scratch
   int64_t n_cached_ = 0;
   std::vector<float> embd_;       // [B, dim] block input

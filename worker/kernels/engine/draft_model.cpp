@@ -17,8 +17,7 @@
 
 #include "common/types.h"
 #include "engine/drafter.h"
-#include "model/kv_cache.h"
-#include "model/model.h"
+#include "model/forward.h"
 
 namespace specd {
 
@@ -28,9 +27,9 @@ constexpr int64_t kCatchUpChunk = 256;  // positions per forward when catching u
 
 class DraftModelDrafter final : public Drafter {
  public:
-  DraftModelDrafter(const Model& m, const DrafterEnv& env)
+  DraftModelDrafter(const ForwardModel& m, const DrafterEnv& env)
       : m_(m),
-        kv_(m.config().n_layers, env.n_ctx, m.kv_dim(), env.kv_f16),
+        kv_(m.new_kv(env.n_ctx, env.kv_f16)),
         logits_((size_t)m.config().n_vocab),
         work_((size_t)m.config().n_vocab) {}
 
@@ -38,43 +37,57 @@ class DraftModelDrafter final : public Drafter {
 
   void draft(const DraftContext& ctx, int k, std::vector<int32_t>& tokens, std::vector<float>& q) override {
     const int64_t nv = m_.config().n_vocab, n = ctx.n_tokens;
-    SPECD_CHECK(n >= 1 && n + k - 1 <= kv_.n_ctx(), "draft model: sequence of " + std::to_string(n) +
+    SPECD_CHECK(n >= 1 && n + k - 1 <= kv_->n_ctx(), "draft model: sequence of " + std::to_string(n) +
                                                         " tokens + " + std::to_string(k) + " drafts exceeds its context");
     // ---- catch up: keep the common prefix, forward the rest (at least the last token)
+    const SamplingParams& sp = *ctx.params;
+    const bool greedy = sp.greedy();
+    // Greedy without penalties needs only each position's argmax: on a GPU draft only the
+    // token ids come back (ForwardModel::forward_argmax), never the logits.
+    const bool argmax_only = greedy && !sp.has_penalties();
     int64_t keep = 0;
     const int64_t lim = std::min<int64_t>((int64_t)cached_.size(), n - 1);
     while (keep < lim && cached_[(size_t)keep] == ctx.tokens[keep]) ++keep;
     cached_.resize((size_t)keep);
+    int32_t top = -1;
     for (int64_t done = keep; done < n;) {
       const int64_t c = std::min(kCatchUpChunk, n - done);
       const bool last = done + c == n;
-      m_.forward(kv_, ctx.tokens + done, c, done, last ? logits_.data() : nullptr, false);
+      if (last && argmax_only) {
+        if (c > 1) m_.forward(*kv_, ctx.tokens + done, c - 1, done, nullptr, false);
+        m_.forward_argmax(*kv_, ctx.tokens + n - 1, 1, n - 1, &top);
+      } else {
+        m_.forward(*kv_, ctx.tokens + done, c, done, last ? logits_.data() : nullptr, false);
+      }
       cached_.insert(cached_.end(), ctx.tokens + done, ctx.tokens + done + c);
       done += c;
     }
 
     // ---- draft k tokens
-    const SamplingParams& sp = *ctx.params;
-    const bool greedy = sp.greedy();
     gen_.assign(ctx.generated, ctx.generated + ctx.n_generated);
     tokens.clear();
     q.clear();
     if (!greedy) q.resize((size_t)(k * nv));
     for (int i = 0; i < k; ++i) {
-      std::memcpy(work_.data(), logits_.data(), sizeof(float) * (size_t)nv);
-      apply_penalties(work_.data(), nv, sp, ctx.prompt, ctx.n_prompt, gen_.data(), (int64_t)gen_.size());
       int32_t t;
-      if (greedy) {
-        t = argmax(work_.data(), nv);
+      if (argmax_only) {
+        t = top;
       } else {
-        float* qi = q.data() + (size_t)i * nv;  // [n_vocab] the distribution t is drawn from
-        sampling_probs(work_.data(), nv, sp, qi);
-        t = sample_from(qi, nv, ctx.rng->uniform());
+        std::memcpy(work_.data(), logits_.data(), sizeof(float) * (size_t)nv);
+        apply_penalties(work_.data(), nv, sp, ctx.prompt, ctx.n_prompt, gen_.data(), (int64_t)gen_.size());
+        if (greedy) {
+          t = argmax(work_.data(), nv);
+        } else {
+          float* qi = q.data() + (size_t)i * nv;  // [n_vocab] the distribution t is drawn from
+          sampling_probs(work_.data(), nv, sp, qi);
+          t = sample_from(qi, nv, ctx.rng->uniform());
+        }
       }
       tokens.push_back(t);
       gen_.push_back(t);
       if (i + 1 < k) {
-        m_.forward(kv_, &t, 1, n + i, logits_.data(), false);
+        if (argmax_only) m_.forward_argmax(*kv_, &t, 1, n + i, &top);
+        else m_.forward(*kv_, &t, 1, n + i, logits_.data(), false);
         cached_.push_back(t);
       }
     }
@@ -85,8 +98,8 @@ class DraftModelDrafter final : public Drafter {
   }
 
  private:
-  const Model& m_;
-  KvCache kv_;                    // this sequence's draft KV
+  const ForwardModel& m_;
+  std::unique_ptr<KvStore> kv_;   // this sequence's draft KV (on the draft's device)
   std::vector<int32_t> cached_;   // [positions in kv_] the tokens they hold
   std::vector<float> logits_;     // [n_vocab] the draft's logits at the last cached position
   std::vector<float> work_;       // [n_vocab] penalised logits
@@ -95,7 +108,7 @@ class DraftModelDrafter final : public Drafter {
 
 }  // namespace
 
-std::unique_ptr<Drafter> make_draft_model_drafter(const Model& draft, const DrafterEnv& env) {
+std::unique_ptr<Drafter> make_draft_model_drafter(const ForwardModel& draft, const DrafterEnv& env) {
   SPECD_CHECK(env.target != nullptr && env.target->config().n_vocab == draft.config().n_vocab,
               "draft model vocabulary differs from the target's");
   return std::make_unique<DraftModelDrafter>(draft, env);

@@ -26,7 +26,7 @@
 
 namespace specd {
 
-class Model;
+class ForwardModel;
 class DFlashModel;
 
 // What a drafter may read when asked to draft. Pointers are valid for the call only.
@@ -100,7 +100,7 @@ class Drafter {
 
 // What a drafter factory gets from the engine (see Engine::register_drafter).
 struct DrafterEnv {
-  const Model* target = nullptr;  // the target model (shared token embedding / output head)
+  const ForwardModel* target = nullptr;  // the target model (shared token embedding / output head)
   int64_t n_ctx = 0;              // positions per sequence
   bool kv_f16 = true;             // the engine's KV cache type
 };
@@ -108,7 +108,7 @@ struct DrafterEnv {
 // The built-in drafters (engine/draft_model.cpp, engine/ngram.cpp).
 // A second model of the same vocabulary, with its own KV cache for this sequence. The
 // caller keeps `draft` alive (the Engine owns it).
-std::unique_ptr<Drafter> make_draft_model_drafter(const Model& draft, const DrafterEnv& env);
+std::unique_ptr<Drafter> make_draft_model_drafter(const ForwardModel& draft, const DrafterEnv& env);
 // Prompt lookup: the continuation of the latest earlier occurrence of the last n tokens,
 // n from ngram_max down to ngram_min (1 <= ngram_min <= ngram_max).
 std::unique_ptr<Drafter> make_ngram_drafter(int32_t ngram_min, int32_t ngram_max);

@@ -12,6 +12,7 @@
 
 #include "common/parallel.h"
 #include "engine/accept.h"
+#include "model/model.h"
 
 namespace specd {
 
@@ -26,16 +27,16 @@ double seconds_since(Clock::time_point t0) {
 }  // namespace
 
 struct Engine::Sequence {
-  Sequence(const ModelConfig& c, int64_t n_ctx, bool kv_f16)
-      : kv(c.n_layers, n_ctx, (int64_t)c.n_kv_heads * c.head_dim, kv_f16),
-        logits((size_t)c.n_vocab),
-        work((size_t)c.n_vocab),
-        probs((size_t)c.n_vocab) {
+  Sequence(const ForwardModel& m, int64_t n_ctx, bool kv_f16)
+      : kv(m.new_kv(n_ctx, kv_f16)),
+        logits((size_t)m.config().n_vocab),
+        work((size_t)m.config().n_vocab),
+        probs((size_t)m.config().n_vocab) {
     stats.drafted_at.assign(kMaxDraft, 0);
     stats.accepted_at.assign(kMaxDraft, 0);
   }
 
-  KvCache kv;
+  std::unique_ptr<KvStore> kv;      // on the model's device
   int64_t n_past = 0;                // positions in the KV cache
   // What the KV holds, position by position, and where each token came from; the
   // penalties read prompt (prefilled) and generated (stepped) tokens separately.
@@ -45,6 +46,13 @@ struct Engine::Sequence {
   std::vector<int32_t> generated;    // stepped tokens still in the KV, then the pending one
   int32_t pending = -1;              // sampled by step(), not yet forwarded; -1 = none
   bool has_logits = false;           // logits belong to position n_past - 1
+  // Greedy decoding on a device keeps the logits there (ForwardModel::forward_argmax):
+  // then `logits` is stale, `top` is their argmax and `logits_row` their row in the KV
+  // store's last forward (read_logits fetches them if the sampling changes).
+  bool logits_on_host = true;
+  int32_t top = -1;
+  int64_t logits_row = 0;
+  std::vector<int32_t> tops;         // [n + 1] argmax rows of a verify forward
   std::vector<float> logits;         // [n_vocab]
   std::vector<float> work, probs;    // [n_vocab] penalised logits, sampling distribution
   SamplingParams params;
@@ -90,8 +98,8 @@ struct Engine::Sequence {
 };
 
 Engine::Engine(const ModelConfig& cfg, const std::vector<TensorRef>& tensors, const EngineOptions& opt)
-    : model_(cfg, tensors), opt_(opt) {
-  const ModelConfig& c = model_.config();
+    : model_(make_model(cfg, tensors, opt.device)), opt_(opt) {
+  const ModelConfig& c = model_->config();
   SPECD_CHECK(opt.n_ctx >= 0, "n_ctx must be >= 0 (0 = min(n_ctx_train, 4096)), got " + std::to_string(opt.n_ctx));
   SPECD_CHECK(opt.max_batch > 0, "max_batch must be positive, got " + std::to_string(opt.max_batch));
   SPECD_CHECK(opt.n_threads >= 0, "n_threads must be >= 0 (0 = all cores), got " + std::to_string(opt.n_threads));
@@ -117,7 +125,7 @@ const Engine::Sequence& Engine::get(int32_t seq) const {
 int32_t Engine::new_sequence() {
   std::lock_guard<std::mutex> lock(mu_);
   const int32_t id = next_id_++;
-  seqs_.emplace(id, std::make_unique<Sequence>(model_.config(), n_ctx_, opt_.kv_f16));
+  seqs_.emplace(id, std::make_unique<Sequence>(*model_, n_ctx_, opt_.kv_f16));
   return id;
 }
 
@@ -136,9 +144,10 @@ void Engine::free_sequence(int32_t seq) {
 // last position's [n_vocab]; may be null. s.logits always gets the last row.
 void Engine::forward_chunked(Sequence& s, const int32_t* tokens, int64_t n, float* logits_out,
                              bool all_logits) {
-  const int64_t nv = model_.config().n_vocab;
+  const int64_t nv = model_->config().n_vocab;
   const bool rows = all_logits && logits_out != nullptr;
   s.has_logits = false;  // the KV is about to move past the logits' position
+  s.logits_on_host = true;
   for (int64_t done = 0; done < n;) {
     const int64_t m = std::min(opt_.max_batch, n - done);
     const bool last = done + m == n;
@@ -158,16 +167,16 @@ void Engine::forward_chunked(Sequence& s, const int32_t* tokens, int64_t n, floa
 // sequence's drafter reads hidden states, they are captured into s.hidden [n, L, dim].
 void Engine::target_forward(Sequence& s, const int32_t* tokens, int64_t n, float* logits, bool all_logits) {
   if (s.hidden_layers.empty()) {
-    model_.forward(s.kv, tokens, n, s.n_past, logits, all_logits);
+    model_->forward(*s.kv, tokens, n, s.n_past, logits, all_logits);
     return;
   }
-  const size_t row = s.hidden_layers.size() * (size_t)model_.config().dim;
+  const size_t row = s.hidden_layers.size() * (size_t)model_->config().dim;
   if (s.hidden.size() < (size_t)n * row) s.hidden.resize((size_t)n * row);
   HiddenCapture cap;
   cap.layers = s.hidden_layers.data();
   cap.n_layers = (int32_t)s.hidden_layers.size();
   cap.out = s.hidden.data();
-  model_.forward(s.kv, tokens, n, s.n_past, logits, all_logits, &cap);
+  model_->forward(*s.kv, tokens, n, s.n_past, logits, all_logits, &cap);
 }
 
 namespace {
@@ -183,7 +192,7 @@ namespace {
 void Engine::prefill(int32_t seq, const int32_t* tokens, int64_t n, float* logits_out, bool all_logits) {
   std::lock_guard<std::mutex> lock(mu_);
   Sequence& s = get(seq);
-  const int32_t nv = model_.config().n_vocab;
+  const int32_t nv = model_->config().n_vocab;
   SPECD_CHECK(n > 0, "prefill needs at least one token");
   for (int64_t i = 0; i < n; ++i)
     if (tokens[i] < 0 || tokens[i] >= nv)
@@ -251,10 +260,10 @@ void SpecParams::validate() const {
 void Engine::set_draft_model(const ModelConfig& cfg, const std::vector<TensorRef>& tensors) {
   std::lock_guard<std::mutex> lock(mu_);
   SPECD_CHECK(draft_model_ == nullptr, "the engine already has a draft model");
-  if (cfg.n_vocab != model_.config().n_vocab)
+  if (cfg.n_vocab != model_->config().n_vocab)
     throw Error("draft model vocabulary differs from the target's: " + std::to_string(cfg.n_vocab) + " tokens vs " +
-                std::to_string(model_.config().n_vocab) + "; use a draft of the same model family and tokenizer");
-  draft_model_ = std::make_unique<Model>(cfg, tensors);
+                std::to_string(model_->config().n_vocab) + "; use a draft of the same model family and tokenizer");
+  draft_model_ = make_model(cfg, tensors, opt_.device);
 }
 
 void Engine::register_drafter(const std::string& name, DrafterFactory factory) {
@@ -269,7 +278,7 @@ void Engine::set_speculation(int32_t seq, const SpecParams& p) {
   p.validate();
   std::lock_guard<std::mutex> lock(mu_);
   Sequence& s = get(seq);
-  const DrafterEnv env{&model_, n_ctx_, opt_.kv_f16};
+  const DrafterEnv env{model_.get(), n_ctx_, opt_.kv_f16};
   std::unique_ptr<Drafter> d;
   if (p.mode == "none") {
   } else if (p.mode == "draft") {
@@ -292,9 +301,9 @@ void Engine::set_speculation(int32_t seq, const SpecParams& p) {
   std::vector<int32_t> layers;
   if (d) layers = d->hidden_layers();
   for (int32_t l : layers)
-    SPECD_CHECK(l >= 0 && l < model_.config().n_layers,
+    SPECD_CHECK(l >= 0 && l < model_->config().n_layers,
                 "drafter '" + p.mode + "' reads target layer " + std::to_string(l) + ", but the target has layers 0.." +
-                    std::to_string(model_.config().n_layers - 1));
+                    std::to_string(model_->config().n_layers - 1));
   s.drafter = std::move(d);
   s.spec = p;
   s.hidden_layers = std::move(layers);
@@ -311,7 +320,7 @@ void Engine::commit(Sequence& s, int64_t n_new, int64_t row0) {
   HiddenStates hs;
   if (!s.hidden_layers.empty()) {
     hs.n_layers = (int32_t)s.hidden_layers.size();
-    hs.dim = model_.config().dim;
+    hs.dim = model_->config().dim;
     hs.data = s.hidden.data() + row0 * hs.n_layers * (int64_t)hs.dim;
     hs.pos0 = s.n_past - n_new;
     hs.n_pos = n_new;
@@ -325,7 +334,14 @@ void Engine::forward_pending(Sequence& s) {
   if (s.n_past + 1 > n_ctx_) context_exceeded(s.n_past + 1, n_ctx_);
   const int32_t p = s.pending;
   try {
-    target_forward(s, &p, 1, s.logits.data(), false);
+    if (device_greedy(s)) {
+      model_->forward_argmax(*s.kv, &p, 1, s.n_past, &s.top);
+      s.logits_on_host = false;
+      s.logits_row = 0;
+    } else {
+      target_forward(s, &p, 1, s.logits.data(), false);
+      s.logits_on_host = true;
+    }
   } catch (...) {
     s.has_logits = false;  // partly overwritten
     s.keep(s.n_past);
@@ -340,8 +356,22 @@ void Engine::forward_pending(Sequence& s) {
 
 // Samples the next token from s.logits (penalties -> greedy argmax | transforms -> draw)
 // and leaves it pending.
+bool Engine::device_greedy(const Sequence& s) const {
+  const SamplingParams& p = s.params;
+  return p.greedy() && !p.has_penalties() && s.hidden_layers.empty();
+}
+
 int32_t Engine::sample_pending(Sequence& s) {
-  const int64_t nv = model_.config().n_vocab;
+  const int64_t nv = model_->config().n_vocab;
+  if (!s.logits_on_host) {
+    if (device_greedy(s)) {  // the argmax came back with the forward
+      s.pending = s.top;
+      s.generated.push_back(s.top);
+      return s.top;
+    }
+    model_->read_logits(*s.kv, s.logits_row, s.logits.data());  // the sampling changed since
+    s.logits_on_host = true;
+  }
   std::memcpy(s.work.data(), s.logits.data(), sizeof(float) * (size_t)nv);
   apply_penalties(s.work.data(), nv, s.params, s.prompt.data(), (int64_t)s.prompt.size(), s.generated.data(),
                   (int64_t)s.generated.size());
@@ -360,8 +390,9 @@ int32_t Engine::sample_pending(Sequence& s) {
 // One speculative step (see engine.h) with up to k drafts; false (nothing changed) when
 // the drafter proposes none.
 bool Engine::speculative_step(Sequence& s, int64_t k, std::vector<int32_t>& out) {
-  const int64_t nv = model_.config().n_vocab;
+  const int64_t nv = model_->config().n_vocab;
   const bool greedy = s.params.greedy();
+  const bool on_device = device_greedy(s);
   const auto t0 = Clock::now();
 
   // ---- draft: the drafter sees history + pending
@@ -407,11 +438,20 @@ bool Engine::speculative_step(Sequence& s, int64_t k, std::vector<int32_t>& out)
   int64_t m = 0;  // accepted drafts
   int32_t bonus = -1;
   try {
-    target_forward(s, s.verify.data(), n + 1, s.vlogits.data(), true);  // at n_past0
+    if (on_device) {
+      // Greedy without penalties: the accept rule is "d_i == argmax of row i - 1", so only
+      // the argmax of each row comes back from the device.
+      s.tops.resize((size_t)(n + 1));
+      model_->forward_argmax(*s.kv, s.verify.data(), n + 1, n_past0, s.tops.data());
+      while (m < n && s.drafts[(size_t)m] == s.tops[(size_t)m]) ++m;
+      bonus = s.tops[(size_t)m];
+    } else {
+      target_forward(s, s.verify.data(), n + 1, s.vlogits.data(), true);  // at n_past0
+    }
     // ---- accept: row i is the target's distribution for the token after verify[i]; its
     // penalties see the history extended by d1..di, exactly as plain decoding would.
     s.gen_ext = s.generated;
-    for (int64_t i = 0;; ++i) {
+    for (int64_t i = 0; !on_device; ++i) {
       std::memcpy(s.work.data(), s.vlogits.data() + i * nv, sizeof(float) * (size_t)nv);
       apply_penalties(s.work.data(), nv, s.params, s.prompt.data(), (int64_t)s.prompt.size(), s.gen_ext.data(),
                       (int64_t)s.gen_ext.size());
@@ -450,7 +490,14 @@ bool Engine::speculative_step(Sequence& s, int64_t k, std::vector<int32_t>& out)
     s.generated.push_back(s.drafts[(size_t)j]);
     out.push_back(s.drafts[(size_t)j]);
   }
-  std::memcpy(s.logits.data(), s.vlogits.data() + m * nv, sizeof(float) * (size_t)nv);  // position n_past - 1
+  if (on_device) {  // position n_past - 1 is row m of the verify forward
+    s.logits_on_host = false;
+    s.logits_row = m;
+    s.top = bonus;
+  } else {
+    std::memcpy(s.logits.data(), s.vlogits.data() + m * nv, sizeof(float) * (size_t)nv);
+    s.logits_on_host = true;
+  }
   s.has_logits = true;
   s.pending = bonus;
   s.generated.push_back(bonus);
@@ -509,6 +556,54 @@ SeqStats Engine::stats(int32_t seq) const {
   SeqStats out = s.stats;
   out.n_past = s.n_past;
   return out;
+}
+
+}  // namespace specd
+
+namespace specd {
+
+std::vector<double> Engine::bench_forward(int64_t n, int64_t pos0, int32_t reps, bool all_rows) {
+  std::lock_guard<std::mutex> lock(mu_);
+  SPECD_CHECK(n >= 1 && pos0 >= 0 && pos0 + n <= n_ctx_ && reps >= 1,
+              "bench_forward needs n >= 1, pos0 >= 0, pos0 + n <= n_ctx and reps >= 1");
+  std::unique_ptr<KvStore> kv = model_->new_kv(n_ctx_, opt_.kv_f16);
+  const int32_t nv = model_->config().n_vocab;
+  Rng rng(12345);
+  std::vector<int32_t> tok((size_t)std::max(n, pos0)), top((size_t)n);  // tokens reused: timing only
+  for (auto& t : tok) t = (int32_t)(rng.uniform() * nv) % nv;
+  for (int64_t done = 0; done < pos0;) {  // fill the context first
+    const int64_t m = std::min(opt_.max_batch, pos0 - done);
+    model_->forward(*kv, tok.data(), m, done, nullptr, false);
+    done += m;
+  }
+  std::vector<float> last((size_t)nv);
+  auto once = [&] {  // returns after the device is done
+    if (all_rows) {
+      model_->forward_argmax(*kv, tok.data(), n, pos0, top.data());
+      return;
+    }
+    for (int64_t done = 0; done < n;) {
+      const int64_t m = std::min(opt_.max_batch, n - done);
+      model_->forward(*kv, tok.data() + done, m, pos0 + done, done + m == n ? last.data() : nullptr, false);
+      done += m;
+    }
+  };
+  once();  // warm-up (graph capture, scratch growth)
+  std::vector<double> out;
+  for (int32_t r = 0; r < reps; ++r) {
+    const auto t0 = Clock::now();
+    once();
+    out.push_back(seconds_since(t0));
+  }
+  return out;
+}
+
+MemoryInfo Engine::memory() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  MemoryInfo m = model_->memory();
+  if (draft_model_) m.weights_bytes += draft_model_->memory().weights_bytes;
+  for (const auto& kv : seqs_) m.kv_bytes += kv.second->kv->bytes();
+  return m;
 }
 
 }  // namespace specd

@@ -29,8 +29,7 @@
 #include <vector>
 #include "engine/drafter.h"
 #include "engine/sampler.h"
-#include "model/kv_cache.h"
-#include "model/model.h"
+#include "model/forward.h"
 
 namespace specd {
 
@@ -39,6 +38,7 @@ struct EngineOptions {
   int32_t n_threads = 0;    // 0 = all hardware threads
   bool kv_f16 = true;       // fp16 KV cache (default) or fp32
   int64_t max_batch = 256;  // positions per forward when prefilling (bounds scratch memory)
+  std::string device = "cpu";  // "cpu" | "cuda:N" | "hip:N" (model/forward.h make_model)
 };
 
 constexpr int32_t kMaxDraft = 32;  // largest k of set_speculation
@@ -87,6 +87,12 @@ class Engine {
   void set_draft_model(const ModelConfig& cfg, const std::vector<TensorRef>& tensors);
   bool has_draft_model() const { return draft_model_ != nullptr; }
 
+  // Benchmarks: seconds of each of `reps` forwards of n random tokens at positions
+  // pos0.. on a scratch KV store, synchronised. all_rows: every row's argmax on the device
+  // (a greedy verify); else a prefill (chunks of max_batch, last row's logits only).
+  std::vector<double> bench_forward(int64_t n, int64_t pos0, int32_t reps, bool all_rows);
+  MemoryInfo memory() const;
+
   // Makes mode `name` available to set_speculation (e.g. "dflash"); the factory builds one
   // Drafter per sequence. Replaces an earlier registration of the same name.
   using DrafterFactory = std::function<std::unique_ptr<Drafter>(const DrafterEnv&)>;
@@ -103,7 +109,8 @@ class Engine {
   void truncate(int32_t seq, int64_t n_past);
 
   SeqStats stats(int32_t seq) const;
-  const ModelConfig& config() const { return model_.config(); }
+  const ModelConfig& config() const { return model_->config(); }
+  std::string device() const { return model_->device(); }
   int64_t n_ctx() const { return n_ctx_; }
 
  private:
@@ -114,12 +121,13 @@ class Engine {
                        bool all_logits);
   void forward_pending(Sequence& s);
   int32_t sample_pending(Sequence& s);
+  bool device_greedy(const Sequence& s) const;
   bool speculative_step(Sequence& s, int64_t k, std::vector<int32_t>& out);
   void target_forward(Sequence& s, const int32_t* tokens, int64_t n, float* logits, bool all_logits);
   void commit(Sequence& s, int64_t n_new, int64_t row0 = 0);
 
-  Model model_;
-  std::unique_ptr<Model> draft_model_;  // mode "draft"; null = none
+  std::unique_ptr<ForwardModel> model_;
+  std::unique_ptr<ForwardModel> draft_model_;  // mode "draft" (same device); null = none
   std::map<std::string, DrafterFactory> factories_;
   EngineOptions opt_;
   int64_t n_ctx_ = 0;

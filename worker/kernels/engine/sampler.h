@@ -22,6 +22,9 @@ struct SamplingParams {
   // repetition_penalty > 0, |presence|,|frequency| <= 2.
   void validate() const;
   bool greedy() const { return temperature == 0.0f; }
+  bool has_penalties() const {
+    return repetition_penalty != 1.0f || presence_penalty != 0.0f || frequency_penalty != 0.0f;
+  }
 };
 
 // In place on logits[n_vocab]:

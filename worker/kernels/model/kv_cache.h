@@ -5,10 +5,11 @@
 #include <cstdint>
 #include <memory>
 #include "cpu/ops.h"
+#include "model/forward.h"
 
 namespace specd {
 
-class KvCache {
+class KvCache final : public KvStore {
  public:
   // k, v per layer: [n_ctx, kv_dim] elements (kv_dim = n_kv_heads * head_dim).
   KvCache(int32_t n_layers, int64_t n_ctx, int64_t kv_dim, bool f16);
@@ -16,9 +17,9 @@ class KvCache {
   void write(int32_t layer, int64_t pos0, int64_t n, const float* k, const float* v);
   KvView k(int32_t layer) const;
   KvView v(int32_t layer) const;
-  int64_t n_ctx() const { return n_ctx_; }
+  int64_t n_ctx() const override { return n_ctx_; }
   bool f16() const { return f16_; }
-  size_t bytes() const;
+  size_t bytes() const override;
 
  private:
   const void* layer_base(const void* base, int32_t layer) const;

@@ -208,3 +208,31 @@ void Model::forward(KvCache& kv, const int32_t* tokens, int64_t n, int64_t pos0,
 }
 
 }  // namespace specd
+
+// ---------------------------------------------------------------- ForwardModel
+
+namespace specd {
+
+std::unique_ptr<KvStore> Model::new_kv(int64_t n_ctx, bool f16) const {
+  return std::make_unique<KvCache>(cfg_.n_layers, n_ctx, kv_dim(), f16);
+}
+
+void Model::forward(KvStore& kv, const int32_t* tokens, int64_t n, int64_t pos0, float* logits, bool all_logits,
+                    const HiddenCapture* capture) const {
+  auto* cache = dynamic_cast<KvCache*>(&kv);
+  SPECD_CHECK(cache != nullptr, "the CPU model got a KV store of another device");
+  forward(*cache, tokens, n, pos0, logits, all_logits, capture);
+}
+
+MemoryInfo Model::memory() const {
+  MemoryInfo m;
+  m.device_name = "cpu";
+  auto add = [&](const WeightView& w) { m.weights_bytes += w.valid() ? w.row_stride * (size_t)w.n_out : 0; };
+  add(tok_embd_);
+  if (output_.data != tok_embd_.data) add(output_);
+  for (const LayerWeights& L : layers_)
+    for (const WeightView* w : {&L.wq, &L.wk, &L.wv, &L.wo, &L.w_gate, &L.w_up, &L.w_down}) add(*w);
+  return m;
+}
+
+}  // namespace specd

@@ -11,18 +11,10 @@
 #include <vector>
 #include "cpu/matmul.h"
 #include "model/config.h"
+#include "model/forward.h"
 #include "model/kv_cache.h"
 
 namespace specd {
-
-// Optional output of Model::forward: the residual stream after chosen layers, for drafters
-// conditioned on target hidden states (DFlash). Off (null) by default, costing nothing.
-struct HiddenCapture {
-  const int32_t* layers = nullptr;  // [n_layers] block indices in [0, model n_layers), any order
-  int32_t n_layers = 0;
-  float* out = nullptr;             // [n, n_layers, dim]: out[i, j] = h after block layers[j],
-                                    // position pos0 + i (the input of block layers[j] + 1)
-};
 
 struct LayerWeights {
   const float* attn_norm = nullptr;           // [dim]
@@ -36,13 +28,16 @@ struct LayerWeights {
   WeightView w_gate, w_up, w_down;            // [dim -> ffn], [dim -> ffn], [ffn -> dim]
 };
 
-class Model {
+// The CPU model (ForwardModel on "cpu"); its KV stores are KvCache.
+class Model final : public ForwardModel {
  public:
   // Resolves every tensor by its GGUF name and checks types and shapes; throws Error
   // naming the missing or mismatched tensor. Norm/bias tensors must be F32.
   Model(const ModelConfig& cfg, const std::vector<TensorRef>& tensors);
 
-  const ModelConfig& config() const { return cfg_; }
+  const ModelConfig& config() const override { return cfg_; }
+  std::string device() const override { return "cpu"; }
+  std::unique_ptr<KvStore> new_kv(int64_t n_ctx, bool f16) const override;
 
   Model(const Model&) = delete;  // cfg_.rope.freq_factors points into this object
   Model& operator=(const Model&) = delete;
@@ -54,12 +49,18 @@ class Model {
   // capture (optional): also writes the residual stream after the given layers.
   void forward(KvCache& kv, const int32_t* tokens, int64_t n, int64_t pos0, float* logits,
                bool all_logits, const HiddenCapture* capture = nullptr) const;
-
-  int64_t kv_dim() const { return (int64_t)cfg_.n_kv_heads * cfg_.head_dim; }
+  // ForwardModel: kv must be a KvCache (Error otherwise).
+  void forward(KvStore& kv, const int32_t* tokens, int64_t n, int64_t pos0, float* logits,
+               bool all_logits, const HiddenCapture* capture = nullptr) const override;
 
   // The shared input embedding and output head (drafters such as DFlash reuse them).
-  const WeightView& token_embedding() const { return tok_embd_; }  // [n_vocab rows of dim]
-  const WeightView& output_head() const { return output_; }        // [n_vocab rows of dim]
+  const WeightView& token_embedding() const override { return tok_embd_; }  // [n_vocab rows of dim]
+  const WeightView& output_head() const override { return output_; }        // [n_vocab rows of dim]
+  MemoryInfo memory() const override;
+
+  // The resolved (host) weights, for backends that upload them (cuda/gpu_model.cu).
+  const std::vector<LayerWeights>& layers() const { return layers_; }
+  const float* output_norm() const { return output_norm_; }
 
  private:
   ModelConfig cfg_;

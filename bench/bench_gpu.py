@@ -1,0 +1,580 @@
+"""GPU speed of specd's engine on realistic model shapes, side by side with llama.cpp (batch 1).
+
+For each model file (given, or generated on the spot by tools/gen_gguf.py with --generate),
+specd's engine on the GPU measures, in a child process of its own (a crash or an out-of-memory
+error is recorded and the next model runs):
+  - decode tok/s: greedy generation (a 64-token random prompt, then 128 `step()`s) and
+    `bench_forward(1, 64)` (one forward of one position after 64, device-synchronised);
+  - prefill tok/s: `bench_forward(n, 0, all_rows=False)` for n in 512, 4096;
+  - verify cost: `bench_forward(k, 64)` / `bench_forward(1, 64)` for k in 2, 4, 8, 16, 17, 32
+    (k positions, argmax of every row on the device: a speculative verify);
+  - memory (`engine.memory()`) and load time.
+Bandwidth floor: a decode step reads every weight once (all matrices and norms, and the
+output head; a tied token_embd counted once, as the head; an untied one not at all: one row is
+gathered), so decode tok/s <= 4.27e12 B/s (the H200's measured copy bandwidth) / those bytes.
+
+With --llama-bench PATH, llama-bench runs on the same files (`-p 16,512,4096 -n 128 -fa 1
+-ngl 99 -o json`): pp512/pp4096 prefill, tg128 decode, and its verify cost = time(pp16) /
+time(one tg step) = 16 * tg / pp16 (llama-bench's pp16 outputs one logits row, a verify 16:
+the output head is read once either way). Ratios are specd / llama.cpp (> 1: specd faster;
+for verify cost < 1 is better).
+
+Writes OUT/gpu_<machine>_<date>.json (machine, command, every sample) and a PNG.
+
+    python bench/bench_gpu.py MODEL.gguf ... [--llama-bench build/bin/llama-bench] [--out DIR]
+    python bench/bench_gpu.py --generate qwen3-0.6b:F16,Q4_K_M --scratch /tmp/m --device cuda:0
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import mmap
+import os
+import platform
+import re
+import shutil
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+from machine import cpu_name  # bench/machine.py (scripts run from bench/)
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+
+BANDWIDTH = 4.27e12  # B/s, H200 device-to-device copy measured here (FACTS.md)
+PROMPT = 64          # prompt tokens before decoding; pos0 of the decode / verify forwards
+
+
+# ---------------------------------------------------------------- model files
+
+
+def gguf_summary(path: Path) -> dict:
+    """Reads a GGUF header fast (no tokenizer parsing): scalar metadata and each tensor's
+    bytes; returns {name, arch, file_type, shape, type, tensor_bytes, bytes_per_token, ...}."""
+    import gguf
+
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        if m[:4] != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file")
+        _, n_tensors, n_kv = struct.unpack_from("<IQQ", m, 4)
+        pos = 24
+        scalars = {1: "<b", 0: "<B", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+
+        def string(p: int) -> tuple[str, int]:
+            (n,) = struct.unpack_from("<Q", m, p)
+            return m[p + 8:p + 8 + n].decode("utf-8", "replace"), p + 8 + n
+
+        def skip_value(vtype: int, p: int) -> tuple[object, int]:
+            if vtype == 8:
+                return string(p)
+            if vtype == 9:
+                etype, count = struct.unpack_from("<IQ", m, p)
+                p += 12
+                if etype in scalars:
+                    return None, p + count * struct.calcsize(scalars[etype])
+                for _ in range(count):
+                    _, p = skip_value(etype, p)
+                return None, p
+            fmt = scalars[vtype]
+            return struct.unpack_from(fmt, m, p)[0], p + struct.calcsize(fmt)
+
+        meta: dict[str, object] = {}
+        for _ in range(n_kv):
+            key, pos = string(pos)
+            (vtype,) = struct.unpack_from("<I", m, pos)
+            value, pos = skip_value(vtype, pos + 4)
+            if value is not None:
+                meta[key] = value
+        tensors: dict[str, int] = {}
+        for _ in range(n_tensors):
+            name, pos = string(pos)
+            (n_dims,) = struct.unpack_from("<I", m, pos)
+            dims = struct.unpack_from(f"<{n_dims}Q", m, pos + 4)
+            ttype, _ = struct.unpack_from("<IQ", m, pos + 4 + 8 * n_dims)
+            pos += 4 + 8 * n_dims + 12
+            block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ttype)]
+            tensors[name] = math.prod(dims) // block * size
+    read = sum(b for n, b in tensors.items() if n != "token_embd.weight" or "output.weight" not in tensors)
+    ftype = meta.get("general.file_type")
+    try:
+        ftype_name = gguf.LlamaFileType(int(ftype)).name.replace("MOSTLY_", "") if ftype is not None else "?"
+    except ValueError:
+        ftype_name = str(ftype)
+    return {
+        "name": meta.get("general.name", path.stem),
+        "arch": meta.get("general.architecture"),
+        "shape": meta.get("specd.random.shape", path.stem),
+        "type": meta.get("specd.random.type", ftype_name),
+        "file_bytes": path.stat().st_size,
+        "tensor_bytes": sum(tensors.values()),
+        "bytes_per_token": read,
+        "floor_tok_s": BANDWIDTH / read,
+    }
+
+
+def generate_models(specs: list[str], scratch: Path, layers: int | None) -> list[Path]:
+    """--generate 'shape:TYPE,TYPE' entries -> files written into scratch (kept if present)."""
+    import gen_gguf
+
+    out = []
+    for spec in specs:
+        shape, _, types = spec.partition(":")
+        for ftype in (types or "Q4_K_M").split(","):
+            path = scratch / gen_gguf.default_filename(shape, ftype, layers)
+            if not path.exists():
+                t0 = time.perf_counter()
+                gen_gguf.write_model(path, shape, ftype, layers=layers, progress=True)
+                print(f"generated {path.name} ({path.stat().st_size / 1e9:.2f} GB) in "
+                      f"{time.perf_counter() - t0:.0f} s", flush=True)
+            out.append(path)
+    return out
+
+
+# ---------------------------------------------------------------- specd (child process)
+
+
+def _bench_forward(eng, n: int, pos0: int, reps: int, all_rows: bool) -> tuple[list[float], str]:
+    """Seconds per forward of n positions from pos0: the engine's bench_forward, else (an
+    engine without it, e.g. an older CPU build) timed prefills on a scratch sequence."""
+    why = "engine has no bench_forward"
+    if hasattr(eng, "bench_forward"):
+        try:
+            try:
+                return list(eng.bench_forward(n, pos0, reps, all_rows=all_rows)), "bench_forward"
+            except TypeError:  # an API without all_rows
+                return list(eng.bench_forward(n, pos0, reps)), "bench_forward"
+        except (AttributeError, NotImplementedError) as exc:  # the native engine lacks it
+            why = f"bench_forward failed: {type(exc).__name__}: {exc}"
+    import numpy as np
+
+    rng = np.random.default_rng(n)
+    seq = eng.new_sequence()
+    try:
+        if pos0:
+            seq.prefill(rng.integers(0, eng.n_vocab, pos0))
+        out = []
+        for _ in range(reps):
+            toks = rng.integers(0, eng.n_vocab, n)
+            t0 = time.perf_counter()
+            seq.prefill(toks, all_logits=all_rows)
+            out.append(time.perf_counter() - t0)
+            seq.truncate(pos0)
+        return out, f"emulated by prefill + truncate ({why})"
+    finally:
+        seq.close()
+
+
+def measure_specd(path: Path, args: argparse.Namespace, res: dict) -> None:
+    """Every specd number for one model file, into `res` (runs in the child process). A phase
+    that fails is recorded in res["errors"] and the next one runs (a failed load ends it)."""
+    import numpy as np
+
+    from worker.engine import Engine
+    from worker.model_file import open_model
+
+    res.update(phases={}, errors={})
+    n_ctx = max(max(args.prefill), PROMPT + max(args.verify) + 1, PROMPT + args.gen + 1)
+    n_ctx = -(-(n_ctx + 16) // 256) * 256
+    t0 = time.perf_counter()
+    mf = open_model(path)
+    t1 = time.perf_counter()
+    kwargs = {"n_ctx": n_ctx, "max_batch": args.max_batch}
+    if args.device != "cpu":
+        kwargs["device"] = args.device
+    eng = Engine(mf, **kwargs)
+    t2 = time.perf_counter()
+    res.update(open_s=t1 - t0, engine_s=t2 - t1, n_ctx=n_ctx, max_batch=args.max_batch,
+               device=getattr(eng, "device", args.device))
+    print(f"  specd: opened in {t1 - t0:.1f} s, engine on {res['device']} in {t2 - t1:.1f} s", flush=True)
+
+    def fwd(n: int, pos0: int, reps: int, all_rows: bool = True) -> dict:
+        samples, method = _bench_forward(eng, n, pos0, reps, all_rows)
+        res["forward_method"] = method
+        med = statistics.median(samples)
+        return {"n": n, "pos0": pos0, "all_rows": all_rows, "median_s": med, "min_s": min(samples),
+                "tok_s": n / med, "samples_s": samples}
+
+    def phase(name: str, fn) -> None:
+        tp = time.perf_counter()
+        try:
+            fn()
+        except Exception as exc:  # recorded; later phases still run
+            traceback.print_exc()
+            res["errors"][name] = f"{type(exc).__name__}: {exc}"
+            print(f"  specd: {name} FAILED: {res['errors'][name][:300]}", flush=True)
+        res["phases"][name + "_s"] = time.perf_counter() - tp
+
+    def memory() -> None:
+        res["memory"] = dict(eng.memory())
+
+    def forward() -> None:
+        fwd(1, PROMPT, 3)  # warm-up: first launches, lazy allocations
+        fwd(max(args.verify), PROMPT, 2)
+        res["decode_forward"] = fwd(1, PROMPT, args.reps_decode)
+        res["verify"] = {}
+        for k in args.verify:
+            res["verify"][str(k)] = fwd(k, PROMPT, args.reps_verify)
+        base = res["decode_forward"]["median_s"]
+        res["verify_cost"] = {k: v["median_s"] / base for k, v in res["verify"].items()}
+        print(f"  specd: forward(1) {1 / base:.1f} tok/s, verify cost k=16 "
+              f"{res['verify_cost'].get('16', float('nan')):.2f}x", flush=True)
+
+    def prefill(n: int) -> None:
+        fwd(n, 0, 1, all_rows=False)  # warm-up at this size (scratch buffers)
+        res.setdefault("prefill", {})[str(n)] = fwd(n, 0, args.reps_prefill, all_rows=False)
+        print(f"  specd: prefill {n}: {res['prefill'][str(n)]['tok_s']:.0f} tok/s", flush=True)
+
+    def generate() -> None:
+        """The serving path: greedy steps through Sequence, a host round trip per token."""
+        rng = np.random.default_rng(0)
+        runs = []
+        for r in range(args.gen_repeats + 1):  # the first run warms up
+            seq = eng.new_sequence()
+            seq.set_sampling({"temperature": 0})
+            prompt = rng.integers(0, eng.n_vocab, PROMPT)
+            t_a = time.perf_counter()
+            seq.prefill(prompt)
+            t_b = time.perf_counter()
+            seq.step()  # sampled from the prefill logits: no forward
+            steps = 1
+            t_c = time.perf_counter()
+            while steps < (args.gen if r else 16):
+                seq.step()
+                steps += 1
+            t_d = time.perf_counter()
+            seq.close()
+            if r:
+                runs.append({"prompt_s": t_b - t_a, "decode_tok_s": (steps - 1) / (t_d - t_c)})
+        res["decode_gen"] = {"tokens": args.gen, "prompt": PROMPT, "runs": runs,
+                             "tok_s": statistics.median(x["decode_tok_s"] for x in runs)}
+        print(f"  specd: greedy decode {res['decode_gen']['tok_s']:.1f} tok/s", flush=True)
+
+    if hasattr(eng, "memory"):
+        phase("memory", memory)
+    phase("forward", forward)
+    for n in args.prefill:
+        phase(f"prefill_{n}", lambda n=n: prefill(n))
+    phase("generate", generate)
+    eng.close()
+
+
+def child_main(args: argparse.Namespace) -> int:
+    res: dict = {}
+    try:
+        measure_specd(Path(args.child), args, res)
+        out = {"ok": not res.get("errors"), **res}
+        if res.get("errors"):
+            out["error"] = "; ".join(f"{k}: {v}" for k, v in res["errors"].items())
+    except Exception as exc:  # a failed load: recorded, the parent moves on to the next model
+        traceback.print_exc()
+        out = {**res, "ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    Path(args.child_out).write_text(json.dumps(out))
+    return 0
+
+
+def run_specd(path: Path, args: argparse.Namespace, timeout: float) -> dict:
+    """measure_specd in a child process; a crash, timeout or error comes back as ok=False."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = Path(f.name)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(path), "--child-out", str(out),
+           *sys.argv[1:]]
+    try:
+        proc = subprocess.run(cmd, timeout=timeout)
+        text = out.read_text() if out.exists() else ""
+        if text:
+            return json.loads(text)
+        return {"ok": False, "error": f"child exited with status {proc.returncode} and no result (crash?)"}
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "error": f"timed out after {timeout:.0f} s"}
+    finally:
+        out.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------- llama.cpp
+
+
+def run_llama_bench(exe: str, path: Path, args: argparse.Namespace, timeout: float) -> dict:
+    """llama-bench's pp16 / pp<prefill> / tg<gen> on one file; tok/s by test, verify cost."""
+    prompts = sorted({16, *args.prefill})
+    cmd = [exe, "-m", str(path), "-p", ",".join(map(str, prompts)), "-n", str(args.gen), "-fa", "1",
+           "-ngl", "99", "-r", str(args.llama_reps), "-o", "json"]
+    print("  llama.cpp: " + " ".join(cmd), flush=True)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "error": f"timed out after {timeout:.0f} s", "command": cmd}
+    if proc.returncode != 0:
+        return {"ok": False, "error": f"exit {proc.returncode}: {proc.stderr[-2000:]}", "command": cmd}
+    try:
+        rows = json.loads(proc.stdout)
+    except json.JSONDecodeError as exc:
+        return {"ok": False, "error": f"unparsable JSON ({exc}): {proc.stdout[:500]}", "command": cmd}
+    res: dict = {"ok": True, "command": cmd, "prefill": {}, "raw": rows}
+    for r in rows:
+        if r["n_gen"] == 0 and r["n_prompt"] > 0:
+            res["prefill"][str(r["n_prompt"])] = {"tok_s": r["avg_ts"], "samples_tok_s": r.get("samples_ts")}
+        elif r["n_prompt"] == 0 and r["n_gen"] > 0:
+            res["decode"] = {"tok_s": r["avg_ts"], "n_gen": r["n_gen"], "samples_tok_s": r.get("samples_ts")}
+        res.setdefault("build", f"{r.get('build_commit')} ({r.get('build_number')})")
+        res.setdefault("gpu_info", r.get("gpu_info"))
+        res.setdefault("backends", r.get("backends"))
+    if "decode" in res and "16" in res["prefill"]:
+        res["verify_cost_16"] = 16 * res["decode"]["tok_s"] / res["prefill"]["16"]["tok_s"]
+    dec = res.get("decode", {}).get("tok_s")
+    print(f"  llama.cpp: decode {dec or float('nan'):.1f} tok/s, "
+          + ", ".join(f"pp{k} {v['tok_s']:.0f}" for k, v in res["prefill"].items()), flush=True)
+    return res
+
+
+# ---------------------------------------------------------------- machine, report
+
+
+def gpu_info() -> dict:
+    info: dict = {}
+    if shutil.which("nvidia-smi"):
+        q = "name,driver_version,memory.total,clocks.max.sm,clocks.max.mem,power.limit"
+        try:
+            out = subprocess.run(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader"], capture_output=True,
+                                 text=True, timeout=30).stdout.strip().splitlines()
+            if out:
+                info["nvidia_smi"] = out
+                info["name"] = out[0].split(",")[0].strip()
+        except (OSError, subprocess.SubprocessError) as exc:
+            info["nvidia_smi_error"] = str(exc)
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            p = torch.cuda.get_device_properties(0)
+            info.update(torch_name=p.name, sms=p.multi_processor_count, memory_bytes=p.total_memory,
+                        capability=f"{p.major}.{p.minor}", torch=torch.__version__, cuda=torch.version.cuda)
+            info.setdefault("name", p.name)
+    except Exception as exc:  # no torch, or no device: not an error for a CPU dry run
+        info["torch_error"] = f"{type(exc).__name__}: {exc}"
+    return info
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def summarize(row: dict, prefill: list[int]) -> None:
+    """Adds the headline numbers (None where a side failed) to a result row."""
+    s, l, floor = row.get("specd", {}), row.get("llama", {}), row["floor_tok_s"]
+    h = {
+        "decode_gen_tok_s": s.get("decode_gen", {}).get("tok_s"),
+        "decode_fwd_tok_s": s.get("decode_forward", {}).get("tok_s"),
+        "llama_decode_tok_s": l.get("decode", {}).get("tok_s"),
+        "verify_cost_16": s.get("verify_cost", {}).get("16"),
+        "llama_verify_cost_16": l.get("verify_cost_16"),
+    }
+    for n in map(str, prefill):
+        h[f"prefill_{n}_tok_s"] = s.get("prefill", {}).get(n, {}).get("tok_s")
+        h[f"llama_prefill_{n}_tok_s"] = l.get("prefill", {}).get(n, {}).get("tok_s")
+        h[f"prefill_{n}_ratio"] = ratio(h[f"prefill_{n}_tok_s"], h[f"llama_prefill_{n}_tok_s"])
+    for k in ("decode_gen_tok_s", "decode_fwd_tok_s", "llama_decode_tok_s"):
+        h[k.replace("tok_s", "pct_floor")] = 100 * h[k] / floor if h[k] else None
+    h["decode_ratio"] = ratio(h["decode_gen_tok_s"], h["llama_decode_tok_s"])
+    h["verify_cost_ratio"] = ratio(h["verify_cost_16"], h["llama_verify_cost_16"])
+    row["headline"] = h
+
+
+def print_table(rows: list[dict], prefill: list[int]) -> None:
+    def f(x: float | None, fmt: str) -> str:
+        width = int(fmt.split(".")[0])
+        return format(x, fmt) if x is not None else "-".rjust(width)
+
+    print(f"\n{'model':24} {'MB/tok':>7} {'floor':>6} | {'decode':>7} {'%fl':>4} {'fwd1':>7} | {'llama':>7} {'%fl':>4} "
+          f"{'ratio':>5} " + "".join(f"| {'pp' + str(n):>7} {'ratio':>5} " for n in prefill)
+          + f"| {'ver16':>5} {'llama':>5}")
+    for r in rows:
+        h = r.get("headline", {})
+        print(f"{r['label'][:24]:24} {r['bytes_per_token'] / 1e6:7.0f} {r['floor_tok_s']:6.0f} | "
+              f"{f(h.get('decode_gen_tok_s'), '7.1f')} {f(h.get('decode_gen_pct_floor'), '4.0f')} "
+              f"{f(h.get('decode_fwd_tok_s'), '7.1f')} | {f(h.get('llama_decode_tok_s'), '7.1f')} "
+              f"{f(h.get('llama_decode_pct_floor'), '4.0f')} {f(h.get('decode_ratio'), '5.2f')} "
+              + "".join(f"| {f(h.get(f'prefill_{n}_tok_s'), '7.0f')} {f(h.get(f'prefill_{n}_ratio'), '5.2f')} "
+                        for n in prefill)
+              + f"| {f(h.get('verify_cost_16'), '5.2f')} {f(h.get('llama_verify_cost_16'), '5.2f')}")
+        for side in ("specd", "llama"):
+            if r.get(side) and not r[side].get("ok", True):
+                print(f"{'':24}   {side} failed: {r[side]['error'][:150]}")
+        if "error" in r:
+            print(f"{'':24}   unreadable: {r['error'][:150]}")
+    print("decode: greedy steps (tok/s, % of the bandwidth floor); fwd1: bench_forward(1, 64); ratio: specd / "
+          "llama.cpp; ppN: prefill tok/s; ver16: cost of a 16-position forward in decode steps")
+
+
+def plot(rows: list[dict], path: Path, report: dict, pp: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    x = np.arange(len(rows))
+    labels = [r["label"] for r in rows]
+    for ax, key, ylabel, title in (
+        (axes[0], "pct_floor", "% of bandwidth floor", "decode, batch 1 (% of 4.27 TB/s floor)"),
+        (axes[1], "prefill", "tokens / s", f"prefill {pp} tokens"),
+    ):
+        pairs = ((("decode_gen_pct_floor", "specd"), ("llama_decode_pct_floor", "llama.cpp")) if key == "pct_floor"
+                 else ((f"prefill_{pp}_tok_s", "specd"), (f"llama_prefill_{pp}_tok_s", "llama.cpp")))
+        for i, ((k, name), color) in enumerate(zip(pairs, ("#2a7", "#888"))):
+            vals = [r.get("headline", {}).get(k) or 0.0 for r in rows]
+            bars = ax.bar(x + (i - 0.5) * 0.38, vals, 0.38, label=name, color=color)
+            ax.bar_label(bars, fmt="%.0f", fontsize=7)
+        if key == "pct_floor":
+            ax.axhline(100, color="#c33", lw=0.8, ls="--")
+        else:  # 0.6B and 8B models differ by ~10x
+            ax.set_yscale("log")
+        ax.set_xticks(x, labels, fontsize=7, rotation=30, ha="right")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title, fontsize=10)
+        ax.legend(fontsize=8)
+    ax = axes[2]
+    for r in rows:
+        vc = r.get("specd", {}).get("verify_cost")
+        if vc:
+            ks = sorted(int(k) for k in vc)
+            line, = ax.plot([1] + ks, [1.0] + [vc[str(k)] for k in ks], marker="o", ms=3, label=r["label"])
+            lv = r.get("headline", {}).get("llama_verify_cost_16")
+            if lv:
+                ax.plot([16], [lv], marker="x", ms=8, color=line.get_color())
+    ax.set_xlabel("positions per forward (k)")
+    ax.set_ylabel("cost in decode steps")
+    ax.set_title("verify cost (lines: specd; x: llama.cpp pp16)", fontsize=10)
+    ax.legend(fontsize=6)
+    gpu = report["machine"].get("gpu", {}).get("name", f"the CPU ({report['machine']['cpu']}, a dry run)")
+    fig.suptitle(f"specd vs llama.cpp on {gpu}, {report['date'][:10]} (random-weight models)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# ---------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("models", nargs="*", type=Path, help="GGUF files")
+    ap.add_argument("--generate", action="append", default=[], metavar="SHAPE:TYPE,TYPE",
+                    help="generate random models with tools/gen_gguf.py (e.g. qwen3-0.6b:F16,Q4_K_M)")
+    ap.add_argument("--layers", type=int, default=None, help="generated models: keep the first N blocks")
+    ap.add_argument("--scratch", type=Path, default=Path(tempfile.gettempdir()) / "specd-models")
+    ap.add_argument("--device", default="cuda:0", help="specd device (cpu: a dry run on the CPU engine)")
+    ap.add_argument("--llama-bench", default=None, metavar="PATH", help="llama-bench executable")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    ap.add_argument("--gen", type=int, default=128, help="greedy tokens to decode")
+    ap.add_argument("--prefill", default="512,4096", help="prefill lengths (comma-separated)")
+    ap.add_argument("--verify", default="2,4,8,16,17,32", help="verify widths k (comma-separated)")
+    ap.add_argument("--max-batch", type=int, default=512, help="specd positions per prefill chunk (llama.cpp ubatch)")
+    ap.add_argument("--reps-decode", type=int, default=50)
+    ap.add_argument("--reps-verify", type=int, default=20)
+    ap.add_argument("--reps-prefill", type=int, default=5)
+    ap.add_argument("--gen-repeats", type=int, default=3)
+    ap.add_argument("--llama-reps", type=int, default=5)
+    ap.add_argument("--model-timeout", type=float, default=300, help="seconds per model and side")
+    ap.add_argument("--deadline", type=float, default=None, help="seconds for the whole run; later models skipped")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    args.prefill = [int(x) for x in args.prefill.split(",") if x]
+    args.verify = [int(x) for x in args.verify.split(",") if x]
+    if not args.prefill or not args.verify or 16 not in args.verify:
+        ap.error("--prefill needs at least one length and --verify must include 16")
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    if args.child:
+        return child_main(args)
+    start = time.monotonic()
+
+    def left() -> float:
+        return args.deadline - (time.monotonic() - start) if args.deadline else float("inf")
+
+    models = list(args.models)
+    if args.generate:
+        args.scratch.mkdir(parents=True, exist_ok=True)
+        models += generate_models(args.generate, args.scratch, args.layers)
+    if not models:
+        print("no models: give GGUF files or --generate SHAPE:TYPE", file=sys.stderr)
+        return 2
+
+    rows = []
+    for i, path in enumerate(models, 1):
+        row: dict = {"path": str(path), "label": path.name, "bytes_per_token": 0, "floor_tok_s": 0.0}
+        try:
+            row.update(gguf_summary(path))
+            row["label"] = f"{row['shape']} {row['type']}"
+        except Exception as exc:
+            row["error"] = f"{type(exc).__name__}: {exc}"
+            print(f"{path}: unreadable ({exc})", flush=True)
+        rows.append(row)
+    ok_rows = [r for r in rows if "error" not in r]
+    # specd first for every model, then llama.cpp: with a deadline, specd's numbers matter most
+    for side in ("specd", "llama") if args.llama_bench else ("specd",):
+        for i, row in enumerate(ok_rows, 1):
+            print(f"[{side} {i}/{len(ok_rows)}] {row['label']} ({row['file_bytes'] / 1e9:.2f} GB, "
+                  f"{row['bytes_per_token'] / 1e6:.0f} MB read per token, floor {row['floor_tok_s']:.0f} tok/s; "
+                  f"{time.monotonic() - start:.0f} s elapsed)", flush=True)
+            budget = min(args.model_timeout, left() - 5)
+            if budget < 20:
+                row[side] = {"ok": False, "error": "skipped: out of time (--deadline)"}
+                print(f"  {side}: skipped, out of time", flush=True)
+                continue
+            t0 = time.monotonic()
+            path = Path(row["path"])
+            row[side] = (run_specd(path, args, budget) if side == "specd"
+                         else run_llama_bench(args.llama_bench, path, args, budget))
+            row[side]["wall_s"] = time.monotonic() - t0
+            if not row[side].get("ok"):
+                print(f"  {side}: FAILED: {row[side]['error'][:300]}", flush=True)
+    for row in ok_rows:
+        summarize(row, args.prefill)
+
+    print_table(rows, args.prefill)
+    stamp = dt.datetime.now(dt.timezone.utc)
+    gpu = gpu_info()
+    report = {
+        "benchmark": "gpu_engine_vs_llamacpp",
+        "date": stamp.isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.executable).name] + sys.argv),
+        "machine": {"gpu": gpu, "cpu": cpu_name(), "cores": os.cpu_count(), "python": platform.python_version(),
+                    "host": platform.node()},
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                     if k not in ("child", "child_out", "models")},
+        "bandwidth_B_s": BANDWIDTH,
+        "wall_s": time.monotonic() - start,
+        "results": rows,
+    }
+    machine = slug(gpu.get("name", "")) if gpu.get("name") else f"cpu-{slug(cpu_name())[:24]}"
+    args.out.mkdir(parents=True, exist_ok=True)
+    base = args.out / f"gpu_{machine}_{stamp:%Y%m%d}"
+    base.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    try:
+        plot([r for r in rows if "headline" in r], base.with_suffix(".png"), report, args.prefill[0])
+    except Exception as exc:  # the numbers matter more than the picture
+        print(f"plot failed: {type(exc).__name__}: {exc}", flush=True)
+    print(f"\nwrote {base.with_suffix('.json')} and {base.with_suffix('.png')} ({time.monotonic() - start:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

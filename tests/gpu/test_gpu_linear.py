@@ -1,0 +1,385 @@
+"""GPU linear() and embed_rows (cuda/linear.cuh) against float64 numpy and the CPU ops.
+
+Every stored type (F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q4_K Q5_K Q6_K), both paths: n <= 64
+(float32, batch-invariant: rows must be BIT-identical whatever n) and n > 64 (fp16 tensor
+cores), every epilogue, biases, the fused RMSNorm, three weights of mixed types in one launch,
+embed_rows bit-equal to ops.dequantize, and the argument errors.
+
+Weights are fresh random blocks every run (seed printed by the `rng` fixture): raw random
+payload with finite fp16 scales (every nibble / sign pattern, like tests/native), plus gguf's
+own quantizer for the types it can write. The ground truth is float64 numpy on the weights as
+ops.dequantize (== gguf.quants.dequantize, tests/native/test_quants.py) decodes them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
+from gguf.quants import quantize
+
+from helpers.weights import random_weight
+from worker.engine import native, ops
+from worker.errors import SpecdError
+
+G = native.gpu_ops
+ALL_TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]
+GGUF_QUANTIZABLE = [T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1]
+U = 2.0**-24  # float32 unit roundoff
+MAX_SMALL = 64  # kMaxSmallBatch
+
+
+# ---- inputs
+
+def gguf_weight(rng: np.random.Generator, qtype: T, n_out: int, n_in: int) -> np.ndarray:
+    """A realistic weight: gguf's quantizer applied to Gaussian data (as in model files)."""
+    data = (rng.standard_normal((n_out, n_in)) * rng.uniform(0.01, 0.5)).astype(np.float32)
+    return np.asarray(quantize(data, qtype)).reshape(-1).view(np.uint8)
+
+
+def dequant(qtype: T, w: np.ndarray, n_out: int, n_in: int) -> np.ndarray:
+    """float64 [n_out, n_in] of the weight exactly as the CPU decodes it."""
+    return ops.dequantize(int(qtype), w, n_out * n_in).reshape(n_out, n_in).astype(np.float64)
+
+
+def n_ins(qtype: T) -> tuple[int, int]:
+    """(short, long) reductions: off the 256-element grid where the block allows it, and past
+    one 1024-element stage with a partial last stage."""
+    be = GGML_QUANT_SIZES[qtype][0]
+    if be == 256:
+        return 256, 2304
+    if be == 32:
+        return 96, 2080
+    return 40, 1800
+
+
+def gpu(ws, biases, x, norm_w=None, eps=0.0, epilogue=0, y=None) -> np.ndarray:
+    """ws: [(qtype, bytes, n_out, n_in)]."""
+    return G.linear(weights=[(int(t), w, n_in, n_out) for t, w, n_out, n_in in ws], biases=biases,
+                    x=np.ascontiguousarray(x, dtype=np.float32), norm_w=norm_w, eps=eps, epilogue=epilogue, y=y)
+
+
+# ---- error bounds (all derived for float32 / fp16 rounding; the float64 reference is exact
+# to ~1e-16 and is ignored)
+
+def small_bound(ax: np.ndarray, aw: np.ndarray, extra: float = 0.0) -> np.ndarray:
+    """|float32 GPU - exact| for the n <= 64 path, elementwise.
+
+    Each lane accumulates K/256 pieces, 4 fmas per run into one of 2 partial sums (K/64 roundings
+    per term at most), a Scaled piece adds a 4-term partial and one scale fma, then p0 + p1 and a
+    5-level butterfly: at most K/64 + 16 roundings per product, so |err| <= (K/64 + 16) u |x||W|^T.
+    `extra` adds roundings (fused norm: w*nw, the inv factor's own error).
+    """
+    k = ax.shape[1]
+    return 1.01 * (k / 64 + 16 + extra) * U * (ax @ aw.T)
+
+
+def fp16_bound(ax: np.ndarray, aw: np.ndarray) -> np.ndarray:
+    """|fp16 tensor-core GEMM - exact| for the n > 64 path, elementwise.
+
+    x and w are rounded to fp16: relative 2^-11 each (product 2^-10 + 2^-22), plus an absolute
+    2^-25 where a value lands in fp16's subnormal range; products are exact in fp32 and summed in
+    fp32 by the tensor cores (allow 2K roundings: their adders may truncate).
+    """
+    k = ax.shape[1]
+    rel = (2.0**-10 + 2.0**-21 + 2 * (k + 16) * U) * (ax @ aw.T)
+    sub = 2.0**-24 * (ax.sum(1)[:, None] + aw.sum(1)[None, :])
+    return 1.01 * (rel + sub)
+
+
+def check(got: np.ndarray, want: np.ndarray, bound: np.ndarray, what: str) -> None:
+    assert got.shape == want.shape and got.dtype == np.float32, what
+    assert np.all(np.isfinite(got)), f"{what}: non-finite output"
+    err = np.abs(got.astype(np.float64) - want)
+    bad = np.argwhere(err > bound)
+    assert bad.size == 0, (f"{what}: {len(bad)} elements out of bound, first {bad[:3].tolist()}: "
+                           f"worst err/bound {np.max(err / bound):.3g}")
+
+
+def bound_for(n: int, ax, aw, extra: float = 0.0) -> np.ndarray:
+    return small_bound(ax, aw, extra) if n <= MAX_SMALL else fp16_bound(ax, aw)
+
+
+# ---- every type, both paths, Store
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+def test_linear_every_type_matches_float64(qtype: T, rng: np.random.Generator) -> None:
+    # odd n_out (last CTA / tile partial); n covers every small tile size (1, 2, 4) and partial
+    # tiles, and the tensor-core path at 65 and 300 rows.
+    for n_in in n_ins(qtype):
+        n_out = 133
+        w = random_weight(rng, qtype, n_out, n_in)
+        wf = dequant(qtype, w, n_out, n_in)
+        for n in (1, 2, 3, 5, 17, 64, 65, 300):
+            x = rng.standard_normal((n, n_in), dtype=np.float32)
+            y = gpu([(qtype, w, n_out, n_in)], [None], x)
+            x64 = x.astype(np.float64)
+            check(y, x64 @ wf.T, bound_for(n, np.abs(x64), np.abs(wf)), f"{qtype.name} K={n_in} n={n}")
+        # non-vacuous: the float32 bound is far below one average term |x||w|
+        assert (n_in / 64 + 16) * U * n_in < 0.01
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+def test_small_path_agrees_with_cpu_matmul(qtype: T, rng: np.random.Generator) -> None:
+    # The CPU op (tests/native/test_matmul.py: within (K/8 + 40) u |x||W|^T of exact) and the GPU
+    # (within small_bound) must agree within the sum of the two bounds.
+    n_in, n_out, n = n_ins(qtype)[1], 37, 3
+    w = random_weight(rng, qtype, n_out, n_in)
+    x = rng.standard_normal((n, n_in), dtype=np.float32)
+    cpu = ops.matmul(int(qtype), w, n_in, n_out, x)
+    y = gpu([(qtype, w, n_out, n_in)], [None], x)
+    wf, x64 = dequant(qtype, w, n_out, n_in), x.astype(np.float64)
+    mag = np.abs(x64) @ np.abs(wf).T
+    tol = small_bound(np.abs(x64), np.abs(wf)) + 1.01 * (n_in / 8 + 40) * U * mag
+    assert np.all(np.abs(y.astype(np.float64) - cpu) <= tol)
+
+
+@pytest.mark.parametrize("qtype", GGUF_QUANTIZABLE, ids=lambda t: t.name)
+def test_linear_gguf_quantized_weights(qtype: T, rng: np.random.Generator) -> None:
+    # Realistic blocks as gguf's quantizer writes them; both paths.
+    n_out, n_in = 67, 512
+    w = gguf_weight(rng, qtype, n_out, n_in)
+    wf = dequant(qtype, w, n_out, n_in)
+    for n in (1, 7, 100):
+        x = rng.standard_normal((n, n_in), dtype=np.float32)
+        x64 = x.astype(np.float64)
+        check(gpu([(qtype, w, n_out, n_in)], [None], x), x64 @ wf.T, bound_for(n, np.abs(x64), np.abs(wf)),
+              f"{qtype.name} n={n}")
+
+
+def test_large_path_big_shape_relative_error(rng: np.random.Generator) -> None:
+    # A model-sized prefill GEMM (K = 4096, several tiles in both directions): relative
+    # Frobenius error of the fp16 path < 2e-3 (fp16 inputs: ~2^-11 per factor, ~5e-4 typical).
+    n, n_in, n_out = 320, 4096, 1000
+    for qtype in (T.Q4_K, T.Q6_K, T.Q8_0):
+        w = random_weight(rng, qtype, n_out, n_in)
+        wf = dequant(qtype, w, n_out, n_in)
+        x = rng.standard_normal((n, n_in), dtype=np.float32)
+        want = x.astype(np.float64) @ wf.T
+        y = gpu([(qtype, w, n_out, n_in)], [None], x)
+        rel = np.linalg.norm(y - want) / np.linalg.norm(want)
+        assert rel < 2e-3, f"{qtype.name}: relative Frobenius error {rel:.3g}"
+
+
+# ---- batch invariance (what makes speculative decoding lossless)
+
+def rows_alone(ws, biases, x, **kw) -> np.ndarray:
+    return np.concatenate([gpu(ws, biases, x[r:r + 1], **kw) for r in range(len(x))])
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+def test_small_path_is_batch_invariant(qtype: T, rng: np.random.Generator) -> None:
+    # Row r of y is bit-identical whether computed alone (n = 1) or in a batch of 5, 17, 33 or
+    # 64 rows, at any position of the batch, whatever the other rows hold.
+    n_in, n_out = n_ins(qtype)[1], 133
+    w = random_weight(rng, qtype, n_out, n_in)
+    b = rng.standard_normal(n_out, dtype=np.float32)
+    x = rng.standard_normal((MAX_SMALL, n_in), dtype=np.float32)
+    ws = [(qtype, w, n_out, n_in)]
+    alone = rows_alone(ws, [b], x)
+    np.testing.assert_array_equal(gpu(ws, [b], x).view(np.uint32), alone.view(np.uint32))
+    for lo, hi in ((0, 5), (3, 20), (30, 63), (11, 44)):
+        np.testing.assert_array_equal(gpu(ws, [b], x[lo:hi]).view(np.uint32), alone[lo:hi].view(np.uint32))
+    other = x.copy()
+    other[1:] = rng.standard_normal((MAX_SMALL - 1, n_in), dtype=np.float32) * 100
+    np.testing.assert_array_equal(gpu(ws, [b], other)[0].view(np.uint32), alone[0].view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0, T.Q5_0, T.F16], ids=lambda t: t.name)
+def test_batch_invariant_across_cta_shapes(qtype: T, rng: np.random.Generator) -> None:
+    # 3201 rows: 8 rows per CTA for a single tile of x (n <= 4), 16 rows per CTA once there are
+    # two tiles or more (n >= 5): the launch shape changes, the rows must not.
+    n_in, n_out = 256, 3201
+    w = random_weight(rng, qtype, n_out, n_in)
+    x = rng.standard_normal((12, n_in), dtype=np.float32)
+    ws = [(qtype, w, n_out, n_in)]
+    batched = gpu(ws, [None], x)
+    np.testing.assert_array_equal(batched.view(np.uint32), rows_alone(ws, [None], x).view(np.uint32))
+    np.testing.assert_array_equal(batched[:4].view(np.uint32), gpu(ws, [None], x[:4]).view(np.uint32))
+
+
+def test_fused_norm_and_swiglu_are_batch_invariant(rng: np.random.Generator) -> None:
+    n_in, n_out = 512, 77
+    norm_w = rng.uniform(0.5, 1.5, n_in).astype(np.float32)
+    x = rng.standard_normal((33, n_in), dtype=np.float32)
+    qkv = [(T.Q4_K, random_weight(rng, T.Q4_K, 40, n_in), 40, n_in),
+           (T.Q6_K, random_weight(rng, T.Q6_K, 24, n_in), 24, n_in),
+           (T.Q8_0, random_weight(rng, T.Q8_0, 24, n_in), 24, n_in)]
+    ffn = [(T.Q4_K, random_weight(rng, T.Q4_K, n_out, n_in), n_out, n_in),
+           (T.Q5_K, random_weight(rng, T.Q5_K, n_out, n_in), n_out, n_in)]  # mixed types
+    for ws, ep in ((qkv, 0), (ffn, 2)):
+        kw = dict(norm_w=norm_w, eps=1e-5, epilogue=ep)
+        batched = gpu(ws, [None] * len(ws), x, **kw)
+        alone = rows_alone(ws, [None] * len(ws), x, **kw)
+        np.testing.assert_array_equal(batched.view(np.uint32), alone.view(np.uint32))
+
+
+# ---- epilogues, biases, several weights, fused norm (both paths)
+
+def swiglu64(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):  # exp(-g) = inf for very negative g: silu -> -0, as on the GPU
+        return g / (1.0 + np.exp(-g)) * u
+
+
+def swiglu_tol(g, u, bg, bu) -> np.ndarray:
+    """|d silu(g) u| <= 1.1 |u| |dg| + |silu(g)| |du| (silu' <= 1.1), plus 1e-5 relative for the
+    fast-math exp and division."""
+    y = swiglu64(g, u)
+    return 1.1 * np.abs(u) * bg + (np.abs(g) + 1e-30) * bu + 1e-5 * np.abs(y) + 1e-30
+
+
+@pytest.mark.parametrize("n", [1, 4, 9, 64, 65, 200])
+def test_store_three_mixed_weights_with_biases(n: int, rng: np.random.Generator) -> None:
+    # QKV-style: three weights of different types and sizes, outputs concatenated, two biases.
+    n_in = 512
+    specs = [(T.Q4_K, 96), (T.Q6_K, 33), (T.Q8_0, 65)]
+    ws = [(t, random_weight(rng, t, m, n_in), m, n_in) for t, m in specs]
+    biases = [rng.standard_normal(96, dtype=np.float32), None, rng.standard_normal(65, dtype=np.float32)]
+    x = rng.standard_normal((n, n_in), dtype=np.float32)
+    y = gpu(ws, biases, x)
+    assert y.shape == (n, 96 + 33 + 65)
+    x64, col = x.astype(np.float64), 0
+    for (t, w, m, _), b in zip(ws, biases):
+        wf = dequant(t, w, m, n_in)
+        want = x64 @ wf.T + (0 if b is None else b.astype(np.float64))
+        bound = bound_for(n, np.abs(x64), np.abs(wf)) + 2 * U * np.abs(want)
+        check(y[:, col:col + m], want, bound, f"{t.name} n={n}")
+        col += m
+
+
+@pytest.mark.parametrize("n", [1, 3, 64, 65, 130])
+def test_accumulate_adds_into_y(n: int, rng: np.random.Generator) -> None:
+    n_in, n_out = 544, 75
+    w = random_weight(rng, T.Q5_1, n_out, n_in)
+    b = rng.standard_normal(n_out, dtype=np.float32)
+    x = rng.standard_normal((n, n_in), dtype=np.float32)
+    y0 = rng.standard_normal((n, n_out), dtype=np.float32) * 10
+    y = gpu([(T.Q5_1, w, n_out, n_in)], [b], x, epilogue=1, y=y0)
+    wf, x64 = dequant(T.Q5_1, w, n_out, n_in), x.astype(np.float64)
+    want = y0 + (x64 @ wf.T + b)
+    bound = bound_for(n, np.abs(x64), np.abs(wf)) + 2 * U * (np.abs(want) + np.abs(y0) + np.abs(b))
+    check(y, want, bound, f"accumulate n={n}")
+
+
+@pytest.mark.parametrize("types", [(T.Q4_K, T.Q4_K), (T.Q4_0, T.Q8_0), (T.F16, T.BF16)],
+                         ids=lambda ts: "-".join(t.name for t in ts))
+@pytest.mark.parametrize("n", [1, 5, 64, 70, 129])
+def test_swiglu(types: tuple[T, T], n: int, rng: np.random.Generator) -> None:
+    # gate and up of the same or of different types (two decoders in one group), with biases.
+    n_in, n_out = 512, 45
+    ws = [(t, random_weight(rng, t, n_out, n_in), n_out, n_in) for t in types]
+    biases = [rng.standard_normal(n_out, dtype=np.float32), rng.standard_normal(n_out, dtype=np.float32)]
+    x = rng.standard_normal((n, n_in), dtype=np.float32) / np.sqrt(n_in)  # moderate gate values
+    y = gpu(ws, biases, x, epilogue=2)
+    assert y.shape == (n, n_out)
+    x64 = x.astype(np.float64)
+    wg, wu = (dequant(t, w, m, k) for t, w, m, k in ws)
+    g, u = x64 @ wg.T + biases[0], x64 @ wu.T + biases[1]
+    bg = bound_for(n, np.abs(x64), np.abs(wg)) + 2 * U * np.abs(g)
+    bu = bound_for(n, np.abs(x64), np.abs(wu)) + 2 * U * np.abs(u)
+    check(y, swiglu64(g, u), swiglu_tol(g, u, bg, bu), f"swiglu {types} n={n}")
+
+
+@pytest.mark.parametrize("n", [1, 2, 6, 64])
+def test_fused_rmsnorm(n: int, rng: np.random.Generator) -> None:
+    # y = (x_r / rms(x_r) * nw) W^T for Store (3 weights) and SwiGLU, against float64.
+    n_in, eps = 768, 1e-6
+    x = (rng.standard_normal((n, n_in)) * rng.uniform(0.1, 30, (n, 1))).astype(np.float32)
+    norm_w = rng.uniform(-2, 2, n_in).astype(np.float32)
+    x64 = x.astype(np.float64)
+    xn = x64 / np.sqrt((x64 * x64).mean(1, keepdims=True) + eps) * norm_w
+    # the inv factor: K/256 + 8 rounded sum terms, a division and rsqrt (a few ulp): 48 roundings
+    extra = n_in / 256 + 48
+    ws = [(t, random_weight(rng, t, m, n_in), m, n_in) for t, m in ((T.Q5_K, 50), (T.Q4_1, 19), (T.BF16, 8))]
+    y = gpu(ws, [None] * 3, x, norm_w=norm_w, eps=eps)
+    col = 0
+    for t, w, m, _ in ws:
+        wf = dequant(t, w, m, n_in)
+        check(y[:, col:col + m], xn @ wf.T, small_bound(np.abs(xn), np.abs(wf), extra), f"norm {t.name} n={n}")
+        col += m
+    gate, up = (random_weight(rng, t, 31, n_in) for t in (T.Q6_K, T.Q6_K))
+    y = gpu([(T.Q6_K, gate, 31, n_in), (T.Q6_K, up, 31, n_in)], [None, None], x / 8, norm_w=norm_w, eps=eps,
+            epilogue=2)
+    wg, wu = dequant(T.Q6_K, gate, 31, n_in), dequant(T.Q6_K, up, 31, n_in)
+    xn8 = x64 / 8
+    xn8 = xn8 / np.sqrt((xn8 * xn8).mean(1, keepdims=True) + eps) * norm_w
+    g, u = xn8 @ wg.T, xn8 @ wu.T
+    bg, bu = small_bound(np.abs(xn8), np.abs(wg), extra), small_bound(np.abs(xn8), np.abs(wu), extra)
+    check(y, swiglu64(g, u), swiglu_tol(g, u, bg, bu), f"norm swiglu n={n}")
+
+
+# ---- embed_rows
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+def test_embed_rows_bit_equal_to_dequantize(qtype: T, rng: np.random.Generator) -> None:
+    # Tolerance 0, signed zeros included: the GPU decoders compute the same exact float32
+    # values as the CPU (quants.cuh header).
+    for n_in in n_ins(qtype):
+        n_out = 37
+        w = random_weight(rng, qtype, n_out, n_in)
+        table = ops.dequantize(int(qtype), w, n_out * n_in).reshape(n_out, n_in)
+        tokens = np.concatenate([[0, n_out - 1], rng.integers(0, n_out, 20)]).astype(np.int32)
+        got = G.embed_rows((int(qtype), w, n_in, n_out), tokens)
+        assert got.shape == (len(tokens), n_in) and got.dtype == np.float32
+        np.testing.assert_array_equal(got.view(np.uint32), table[tokens].view(np.uint32))
+        assert np.count_nonzero(got) > got.size // 2  # real values were compared
+
+
+def test_embed_rows_edge_cases(rng: np.random.Generator) -> None:
+    w = random_weight(rng, T.Q4_K, 5, 256)
+    assert G.embed_rows((int(T.Q4_K), w, 256, 5), np.zeros(0, np.int32)).shape == (0, 256)
+    got = G.embed_rows((int(T.Q4_K), w, 256, 5), np.array([1, 5, -1, 4], np.int32))
+    # an out-of-range id gives a NaN row (never a read outside the table); others are exact
+    assert np.all(np.isnan(got[1])) and np.all(np.isnan(got[2]))
+    table = ops.dequantize(int(T.Q4_K), w, 5 * 256).reshape(5, 256)
+    np.testing.assert_array_equal(got[[0, 3]].view(np.uint32), table[[1, 4]].view(np.uint32))
+
+
+# ---- argument errors
+
+def test_engine_error_is_a_specd_error() -> None:
+    assert issubclass(native.EngineError, SpecdError)
+
+
+def _w(rng, qtype=T.Q8_0, n_out=4, n_in=64):
+    return (qtype, random_weight(rng, qtype, n_out, n_in), n_out, n_in)
+
+
+def test_linear_rejects_bad_arguments(rng: np.random.Generator) -> None:
+    x = rng.standard_normal((2, 64), dtype=np.float32)
+    a, b, c = _w(rng), _w(rng, T.Q4_0), _w(rng, T.Q4_K, 4, 256)
+    y = np.zeros((2, 4), np.float32)
+    with pytest.raises(SpecdError, match=r"Accumulate .*exactly 1 weight, got 2"):
+        gpu([a, b], [None, None], x, epilogue=1, y=y)
+    with pytest.raises(SpecdError, match=r"SwiGLU takes exactly 2 weights .*got 1"):
+        gpu([a], [None], x, epilogue=2)
+    with pytest.raises(SpecdError, match=r"SwiGLU takes exactly 2 weights .*got 3"):
+        gpu([a, b, a], [None] * 3, x, epilogue=2)
+    with pytest.raises(SpecdError, match=r"SwiGLU gate and up need the same shape"):
+        gpu([a, _w(rng, T.Q8_0, 5)], [None, None], x, epilogue=2)
+    with pytest.raises(SpecdError, match=r"unknown epilogue 7"):
+        gpu([a], [None], x, epilogue=7)
+    with pytest.raises(SpecdError, match=r"same n_in; weight 1 has 256, weight 0 has 64"):
+        gpu([a, c], [None, None], x)
+    with pytest.raises(SpecdError, match=r"n \(rows of x\) must be >= 1, got 0"):
+        gpu([a], [None], x[:0])
+    big = rng.standard_normal((MAX_SMALL + 1, 64), dtype=np.float32)
+    with pytest.raises(SpecdError, match=r"fused RMSNorm .*only available for n <= 64.*got n = 65"):
+        gpu([a], [None], big, norm_w=np.ones(64, np.float32))
+    with pytest.raises(SpecdError, match=r"not a multiple of 8"):
+        gpu([(T.F32, rng.standard_normal((3, 12), dtype=np.float32).view(np.uint8).reshape(-1), 3, 12)], [None],
+            x[:, :12])
+    with pytest.raises(SpecdError, match=r"unsupported tensor type id 10"):  # Q2_K: no decoder anywhere
+        G.linear(weights=[(10, np.zeros(84, np.uint8), 256, 1)], biases=[None], x=np.zeros((1, 256), np.float32))
+
+
+def test_errors_leave_the_device_usable(rng: np.random.Generator) -> None:
+    # A rejected call launches nothing: the next call works and is exact.
+    a = _w(rng)
+    x = rng.standard_normal((1, 64), dtype=np.float32)
+    with pytest.raises(SpecdError):
+        gpu([a], [None], x, epilogue=1, y=None)
+    y = gpu([a], [None], x)
+    wf = dequant(a[0], a[1], 4, 64)
+    check(y, x.astype(np.float64) @ wf.T, small_bound(np.abs(x.astype(np.float64)), np.abs(wf)), "after error")

@@ -1,0 +1,196 @@
+"""Whole-model GPU checks on tiny random GGUFs: logits CUDA/HIP vs the CPU engine for every
+architecture and weight type, batch invariance on the device, greedy decoding with the
+argmax on the device, lossless speculation (draft model, n-gram), and device errors.
+
+Tolerances (max |gpu - cpu| / max |cpu logit|):
+- SMALL_TOL = 1e-4 for forwards of <= 64 positions (decode, verify, short prompts): both
+  backends compute in float32 on the same dequantized weights with an f32 KV cache, so they
+  differ only by summation order (~1e-6 through 2 layers, see tests/native/test_model_logits).
+- SMALL_F16_TOL = 2e-3 with the default fp16 KV cache: the two round slightly different
+  float32 K/V values to fp16, so an element near a rounding boundary can land one fp16 ulp
+  apart, which random weights amplify (the CPU tests measure <= 2.4e-4 for the same effect).
+- LARGE_TOL = 3e-2 for prefill chunks of > 64 positions, which run on tensor cores with the
+  activations rounded to fp16 (11 significant bits, ~2.4e-4 relative per element) and the
+  quantized weights decoded to fp16: random weights amplify this through 2 layers ~10x.
+- top-1 equal wherever the CPU's top-2 gap exceeds twice the measured error.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import zlib
+
+import numpy as np
+import pytest
+
+from helpers.tiny_gguf import K_QUANTS, WEIGHT_TYPES, write_tiny_model
+
+SMALL_TOL = 1e-4
+SMALL_F16_TOL = 2e-3
+LARGE_TOL = 3e-2
+SEED = int(os.environ.get("SPECD_TEST_SEED", secrets.randbits(31)))
+DEVICE = os.environ.get("SPECD_TEST_DEVICE", "cuda:0")
+
+ARCHS = {
+    "llama": dict(arch="llama"),
+    "llama_tied": dict(arch="llama", tied=True),
+    "qwen2": dict(arch="qwen2"),
+    "qwen3": dict(arch="qwen3"),
+    "llama_rope_freqs": dict(arch="llama", rope_freqs=True, rope_linear_factor=2.0),
+}
+
+
+def _device() -> str:
+    from worker.engine import native
+
+    return DEVICE if DEVICE.split(":")[0] == native.backend else f"{native.backend}:0"
+
+
+def _model(tmp_path, name: str, weight_type: str, **kw) -> str:
+    rng = np.random.default_rng([SEED, zlib.crc32(name.encode())])
+    arch = kw.get("arch", "llama")
+    if weight_type in K_QUANTS:
+        shape = dict(dim=256, ffn=512, n_heads=4, n_kv_heads=2, head_dim=128 if arch == "qwen3" else None)
+    else:
+        shape = dict(dim=64, ffn=96, n_heads=4, n_kv_heads=2, head_dim=32 if arch == "qwen3" else None)
+    return write_tiny_model(tmp_path / f"{name}.gguf", weight_type=weight_type, seed=int(rng.integers(1 << 31)),
+                            ctx=512, **{**shape, **kw, "arch": arch})
+
+
+def _logits(path: str, device: str, tokens: np.ndarray, kv_type: str = "f32", chunks=None) -> np.ndarray:
+    from worker.engine import Engine
+    from worker.model_file import open_model
+
+    with Engine(open_model(path), kv_type=kv_type, device=device, n_ctx=512, n_threads=2) as eng:
+        seq = eng.new_sequence()
+        parts = np.split(tokens, np.cumsum(chunks)[:-1]) if chunks else [tokens]
+        out = np.concatenate([np.asarray(seq.prefill(p, all_logits=True)) for p in parts], axis=0)
+    assert out.shape == (len(tokens), 300) and np.isfinite(out).all()
+    return out.astype(np.float64)
+
+
+def assert_close(got: np.ndarray, ref: np.ndarray, tol: float, what: str) -> float:
+    err = float(np.abs(got - ref).max() / np.abs(ref).max())
+    assert err <= tol, f"{what}: max rel logit error {err:.3g} > {tol:g} (SPECD_TEST_SEED={SEED})"
+    top2 = np.sort(ref, axis=-1)[:, -2:]
+    decisive = (top2[:, 1] - top2[:, 0]) > 2 * np.abs(got - ref).max()
+    assert decisive.mean() >= 0.7, f"{what}: top-1 blurred at {np.count_nonzero(~decisive)} positions"
+    same = got.argmax(-1) == ref.argmax(-1)
+    assert same[decisive].all(), f"{what}: top-1 differs at {np.flatnonzero(decisive & ~same).tolist()}"
+    return err
+
+
+@pytest.mark.parametrize("weight_type", WEIGHT_TYPES)
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_logits_match_cpu(tmp_path, arch, weight_type):
+    path = _model(tmp_path, f"{arch}_{weight_type}", weight_type, **ARCHS[arch])
+    rng = np.random.default_rng([SEED, 1])
+    short = rng.integers(0, 300, size=24).astype(np.int32)
+    e32 = assert_close(_logits(path, _device(), short, "f32"), _logits(path, "cpu", short, "f32"), SMALL_TOL,
+                       f"{arch} {weight_type} kv f32")
+    e16 = assert_close(_logits(path, _device(), short, "f16"), _logits(path, "cpu", short, "f16"), SMALL_F16_TOL,
+                       f"{arch} {weight_type} kv f16")
+    # > 64 positions in one forward: the tensor-core prefill path, then small chunks on top
+    long = rng.integers(0, 300, size=200).astype(np.int32)
+    el = assert_close(_logits(path, _device(), long, "f32", chunks=[150, 50]),
+                      _logits(path, "cpu", long, "f32", chunks=[150, 50]), LARGE_TOL, f"{arch} {weight_type} prefill")
+    print(f"{arch} {weight_type}: small f32 {e32:.2e}, small f16 {e16:.2e}, prefill {el:.2e}")
+
+
+@pytest.mark.parametrize("weight_type", ["F16", "Q8_0", "Q4_K"])
+def test_forward_is_batch_invariant_on_device(tmp_path, weight_type):
+    """A position's logits are bit-identical whether computed alone (decode) or with up to
+    64 others (speculative verify): what makes speculation on the GPU lossless."""
+    from worker.engine import Engine
+    from worker.model_file import open_model
+
+    path = _model(tmp_path, f"inv_{weight_type}", weight_type, arch="qwen3")
+    rng = np.random.default_rng([SEED, 2])
+    prompt = rng.integers(0, 300, size=40).astype(np.int32)
+    more = rng.integers(0, 300, size=33).astype(np.int32)
+    with Engine(open_model(path), device=_device(), n_ctx=512) as eng:
+        a, b = eng.new_sequence(), eng.new_sequence()
+        a.prefill(prompt)
+        b.prefill(prompt)
+        one_by_one = np.stack([np.asarray(a.prefill(more[i:i + 1], all_logits=True))[0] for i in range(len(more))])
+        batched = np.asarray(b.prefill(more, all_logits=True))
+    assert np.array_equal(one_by_one, batched)
+
+
+def _greedy(eng, prompt, n: int, mode: str = "none", k: int = 4) -> list[int]:
+    seq = eng.new_sequence()
+    seq.set_sampling({"temperature": 0})
+    if mode != "none":
+        seq.set_speculation(mode, k)
+    seq.prefill(prompt)
+    out: list[int] = []
+    while len(out) < n:
+        out.extend(seq.step())
+    stats = seq.stats()
+    seq.close()
+    return out[:n], stats
+
+
+def test_device_greedy_equals_logits_argmax(tmp_path):
+    """Greedy steps (argmax on the device, only ids come back) pick the argmax of the
+    logits the same device computes for those positions."""
+    from worker.engine import Engine
+    from worker.model_file import open_model
+
+    path = _model(tmp_path, "greedy", "Q8_0", arch="llama")
+    prompt = np.random.default_rng([SEED, 3]).integers(0, 300, size=12).astype(np.int32)
+    with Engine(open_model(path), device=_device(), n_ctx=512) as eng:
+        toks, _ = _greedy(eng, prompt, 48)
+        seq = eng.new_sequence()
+        rows = np.asarray(seq.prefill(np.concatenate([prompt, toks[:-1]]).astype(np.int32), all_logits=True))
+    assert rows[len(prompt) - 1:].argmax(-1).tolist() == toks
+
+
+@pytest.mark.parametrize("mode", ["draft", "ngram"])
+@pytest.mark.parametrize("k", [1, 2, 4, 8, 16])
+def test_speculative_greedy_identical_to_plain(tmp_path, mode, k):
+    from worker.engine import Engine
+    from worker.model_file import open_model
+
+    target = _model(tmp_path, "target", "F16", arch="qwen3", n_layers=3)
+    # the draft: the same weights (same seed) stored as Q4_0, so it agrees often but not always
+    draft = write_tiny_model(tmp_path / "draft.gguf", arch="qwen3", weight_type="Q4_0", n_layers=3, dim=64,
+                             ffn=96, n_heads=4, n_kv_heads=2, head_dim=32, ctx=512,
+                             seed=int(np.random.default_rng([SEED, zlib.crc32(b"target")]).integers(1 << 31)))
+    rng = np.random.default_rng([SEED, 4])
+    base = rng.integers(3, 300, size=10).astype(np.int32)
+    prompt = np.concatenate([base, base, base])  # repetitive: n-gram lookup finds continuations
+    with Engine(open_model(target), device=_device(), n_ctx=512,
+                draft_model=open_model(draft) if mode == "draft" else None) as eng:
+        plain, _ = _greedy(eng, prompt, 80)
+        spec, stats = _greedy(eng, prompt, 80, mode, k)
+    assert spec == plain
+    assert stats["drafted"] > 0 and stats["spec_steps"] > 0
+
+
+def test_missing_device_is_a_clear_error(tmp_path):
+    from worker.engine import Engine
+    from worker.errors import ModelLoadError
+    from worker.model_file import open_model
+
+    path = _model(tmp_path, "missing", "F16")
+    backend = _device().split(":")[0]
+    with pytest.raises(ModelLoadError, match=rf"{backend}:97 does not exist: this machine has \d+ {backend} device"):
+        Engine(open_model(path), device=f"{backend}:97")
+
+
+def test_memory_report(tmp_path):
+    from worker.engine import Engine
+    from worker.model_file import open_model
+
+    path = _model(tmp_path, "mem", "Q8_0")
+    with Engine(open_model(path), device=_device(), n_ctx=256) as eng:
+        seq = eng.new_sequence()
+        seq.prefill([1, 2, 3])
+        m = eng.memory()
+        assert eng.device == _device()
+        assert 0 < m["weights_bytes"] < 10 << 20 and m["kv_bytes"] >= 2 * 2 * 256 * 32 * 2
+        assert m["device_total_bytes"] > m["device_free_bytes"] > 0 and m["device_name"]
+        t = eng.bench_forward(1, 16, 3)
+        assert len(t) == 3 and all(x > 0 for x in t)

@@ -1,0 +1,129 @@
+#!/usr/bin/env bash
+# The GPU benchmark in one command, on the GPU machine (no network), from the repo root. Carry
+# .whl (the gguf wheel) and .device (the llama.cpp archive). specd's native module with the CUDA
+# backend must import (`python3 -c "import worker.engine"`, PYTHONPATH / SPECD_NATIVE_DIR set), or
+# SPECD_BUILD builds it here, alongside llama.cpp.
+#
+#   OUT=... bash tools/device/run_bench.sh
+#
+# Phases, each timed in $OUT/bench.log:
+#   1. install the carried wheels into /tmp/site;
+#   2. build llama-bench (CUDA) in the background, niced (tools/device/build_llamacpp.sh);
+#      meanwhile run $SPECD_BUILD, if set (a command that builds specd's native module);
+#   3. meanwhile write the random-weight models (tools/gen_gguf.py) into /dev/shm when it has room,
+#      else /tmp: $MODELS, small first; a model that would not fit the disk or the time is skipped;
+#   4. wait for the llama.cpp build (stopped if it would leave the benchmark < 150 s);
+#   5. bench/bench_gpu.py on every model, specd then llama-bench, results in $OUT.
+# Environment: BUDGET_S (the whole run, default 540 s, counted from BENCH_T0: an epoch second,
+# default now; export BENCH_T0=$(date +%s) at the start of a longer command to count its earlier
+# work), MODELS, LLAMA (0: no llama.cpp), LLAMA_BENCH_BIN (a built llama-bench: no build), REPS
+# ("quick", the default, or "full": bench_gpu.py's own), BENCH_ARGS (more bench_gpu.py arguments,
+# last wins). A warm machine keeps /tmp and /dev/shm: a rerun reuses the models and the build.
+set -uo pipefail
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$ROOT" || exit 1
+: "${OUT:?set OUT to the folder the results go to}"
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/bench.log") 2>&1
+BUDGET_S=${BUDGET_S:-540}
+MODELS=${MODELS:-"qwen3-0.6b:F16 qwen3-0.6b:Q8_0 qwen3-0.6b:Q4_K_M llama-3.2-1b:BF16 llama-3.2-1b:Q8_0 llama-3.2-1b:Q4_K_M qwen3-8b:Q4_K_M qwen3-8b:F16"}
+LLAMA=${LLAMA:-1}
+T0=${BENCH_T0:-$(date +%s)}
+elapsed() { echo $(( $(date +%s) - T0 )); }
+phase() { echo "=== [$(elapsed) s] $*"; }
+BUILD_PID=
+# shellcheck disable=SC2329  # called by the EXIT trap
+cleanup() {
+  [[ -n $BUILD_PID ]] && kill -0 "$BUILD_PID" 2>/dev/null && kill -- -"$BUILD_PID" 2>/dev/null
+  exec 1>&- 2>&-; sleep 0.5  # let tee write the log's last lines
+}
+trap cleanup EXIT
+
+phase "start: $(nproc) cores, budget ${BUDGET_S} s, models: $MODELS"
+nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm --format=csv,noheader || true
+
+phase "1. wheels -> /tmp/site"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "wheel install failed"; exit 1; }
+  export PYTHONPATH=/tmp/site:$ROOT${PYTHONPATH:+:$PYTHONPATH}
+else
+  export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+fi
+LLAMA_DIR=/tmp/llamacpp
+if [[ $LLAMA == 1 && -x ${LLAMA_BENCH_BIN:-} ]]; then
+  phase "2. llama.cpp: using $LLAMA_BENCH_BIN (no build)"
+elif [[ $LLAMA == 1 ]]; then
+  phase "2. llama.cpp build started in the background (log: $OUT/llama_build.log)"
+  # its own session so that it can be stopped as a group; nice: model writing keeps a core
+  setsid nice -n 10 bash tools/device/build_llamacpp.sh "$LLAMA_DIR" >"$OUT/llama_build.log" 2>&1 &
+  BUILD_PID=$!
+else
+  phase "2. llama.cpp skipped (LLAMA=0)"
+fi
+
+if [[ -n ${SPECD_BUILD:-} ]]; then
+  phase "2b. building specd: $SPECD_BUILD"
+  bash -c "$SPECD_BUILD" || echo "SPECD BUILD FAILED: specd's numbers will be missing; llama.cpp's still run"
+fi
+python3 -c "import gguf; print('gguf', gguf.__version__ if hasattr(gguf, '__version__') else '', gguf.__file__)" \
+  || { echo "cannot import gguf: carry .whl (the gguf wheel)"; exit 1; }
+python3 -c "import worker.engine as e; print('specd native types:', e.native.supported_types())" \
+  || echo "SPECD DOES NOT IMPORT: specd's numbers will be missing; llama.cpp's still run"
+
+phase "3. writing models"
+DIR=/tmp/specd-models
+# shellcheck disable=SC2046  # shape/type words on purpose
+need=$(python3 tools/gen_gguf.py --dry-run $(echo "$MODELS" | tr ':' ' ') | awk '{s+=$1} END {print s}')
+shm=$(df -B1 --output=avail /dev/shm 2>/dev/null | tail -1 || echo 0)
+if [[ ${shm:-0} -gt $(( need + (8 << 30) )) ]]; then DIR=/dev/shm/specd-models; fi
+mkdir -p "$DIR"
+echo "models need $(( need >> 30 )) GiB; writing to $DIR ($(df -h --output=avail "$DIR" | tail -1) free)"
+FILES=()
+for m in $MODELS; do
+  shape=${m%%:*}; ftype=${m#*:}
+  read -r size path < <(python3 tools/gen_gguf.py --dry-run -o "$DIR" "$shape" "$ftype")
+  avail=$(df -B1 --output=avail "$DIR" | tail -1)
+  if (( size + (2 << 30) > avail )); then echo "SKIPPED $m: needs $(( size >> 20 )) MiB, $(( avail >> 20 )) MiB free"; continue; fi
+  if (( $(elapsed) > BUDGET_S - 200 )); then echo "SKIPPED $m: out of time"; continue; fi
+  t=$(date +%s)
+  if python3 tools/gen_gguf.py -q -o "$DIR" "$shape" "$ftype"; then
+    FILES+=("$path"); echo "    $m: $(( $(date +%s) - t )) s"
+  else
+    echo "FAILED to write $m"
+  fi
+done
+phase "3. models written: ${#FILES[@]}"
+(( ${#FILES[@]} )) || { echo "no models"; exit 1; }
+
+LLAMA_ARGS=()
+if [[ $LLAMA == 1 && -x ${LLAMA_BENCH_BIN:-} ]]; then
+  LLAMA_ARGS=(--llama-bench "$LLAMA_BENCH_BIN")
+elif [[ -n $BUILD_PID ]]; then
+  phase "4. waiting for the llama.cpp build"
+  while kill -0 "$BUILD_PID" 2>/dev/null; do
+    if (( $(elapsed) > BUDGET_S - 150 )); then
+      echo "llama.cpp build stopped: it would leave the benchmark < 150 s (llama.cpp numbers SKIPPED)"
+      kill -- -"$BUILD_PID" 2>/dev/null; break
+    fi
+    sleep 3
+  done
+  wait "$BUILD_PID" 2>/dev/null; BUILD_PID=
+  tail -3 "$OUT/llama_build.log"
+  if [[ -x $LLAMA_DIR/build/bin/llama-bench ]]; then
+    LLAMA_ARGS=(--llama-bench "$LLAMA_DIR/build/bin/llama-bench")
+  else
+    echo "no llama-bench binary: llama.cpp numbers SKIPPED (see llama_build.log)"
+  fi
+fi
+
+phase "5. benchmark"
+QUICK=(--reps-decode 30 --reps-verify 10 --reps-prefill 3 --gen-repeats 2 --llama-reps 3)
+[[ ${REPS:-quick} == full ]] && QUICK=()
+left=$(( BUDGET_S - $(elapsed) - 10 ))
+# shellcheck disable=SC2086  # BENCH_ARGS: several words on purpose
+PYTHONUNBUFFERED=1 python3 bench/bench_gpu.py "${FILES[@]}" --out "$OUT" "${LLAMA_ARGS[@]}" "${QUICK[@]}" \
+  --deadline "$left" ${BENCH_ARGS:-}
+rc=$?
+phase "done (bench_gpu.py exit $rc)"
+exit $rc

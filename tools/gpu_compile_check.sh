@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Compile-only check of the GPU backends (CI has no GPU): builds the native module with
+#   - SPECD_BACKEND=cuda for the architecture list of docker/worker-cuda12.Dockerfile
+#     (its ARG SPECD_CUDA_ARCHITECTURES), with the nvcc on PATH or in /usr/local/cuda;
+#   - SPECD_BACKEND=hip with hipcc (Debian's ROCm 5 packages, HIP_PLATFORM=amd) for a gfx
+#     target that compiler knows (gfx90a; the rocm image builds its full list with ROCm 6).
+# Usage: tools/gpu_compile_check.sh [cuda|hip|all]   (default all). Needs the Python env with
+# pybind11 (the .venv of .ci/run). Fails on any compiler error.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+what="${1:-all}"
+jobs="${JOBS:-$(nproc)}"
+
+build() {  # name backend extra-cmake-args...
+  local name="$1" backend="$2"; shift 2
+  local out="build/check-$name"
+  rm -rf "$out"
+  cmake -S worker/kernels -B "$out" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSPECD_BACKEND="$backend" \
+    -Dpybind11_DIR="$(python3 -m pybind11 --cmakedir)" -DPython_EXECUTABLE="$(command -v python3)" "$@" \
+    >"$out.configure.log" 2>&1 || { cat "$out.configure.log"; return 1; }
+  grep -E "specd: (CUDA|HIP)" "$out.configure.log" || true
+  local t0=$SECONDS
+  cmake --build "$out" -j "$jobs" 2>&1 | grep -Ev "^\[[0-9]+/[0-9]+\] (Building|Linking)" || true
+  test -n "$(ls "$out"/_specd*.so 2>/dev/null)" || { echo "gpu_compile_check: $name build failed"; return 1; }
+  echo "gpu_compile_check: $name OK ($((SECONDS - t0)) s)"
+}
+
+if [[ "$what" == cuda || "$what" == all ]]; then
+  if ! command -v nvcc >/dev/null; then
+    for d in /usr/local/cuda/bin /usr/local/cuda-*/bin; do [[ -x "$d/nvcc" ]] && export PATH="$d:$PATH" && break; done
+  fi
+  command -v nvcc >/dev/null || { echo "gpu_compile_check: no nvcc (CUDA toolkit) found"; exit 1; }
+  archs=""
+  if [[ -f docker/worker-cuda12.Dockerfile ]]; then
+    archs="$(sed -nE 's/^ARG SPECD_CUDA_ARCHITECTURES="([^"]*)".*/\1/p' docker/worker-cuda12.Dockerfile | head -1)"
+  fi
+  echo "gpu_compile_check: nvcc $(nvcc --version | sed -nE 's/.*release ([0-9.]+).*/\1/p'), architectures '${archs:-default}'"
+  build cuda cuda -DCMAKE_CUDA_COMPILER="$(command -v nvcc)" ${archs:+-DSPECD_CUDA_ARCHITECTURES="$archs"}
+fi
+
+if [[ "$what" == hip || "$what" == all ]]; then
+  command -v hipcc >/dev/null || { echo "gpu_compile_check: no hipcc (apt-get install hipcc libamdhip64-dev)"; exit 1; }
+  export HIP_PLATFORM=amd HCC_AMDGPU_TARGET=gfx90a  # no GPU here: name the target (no probing)
+  build hip hip -DSPECD_HIP_ARCHITECTURES=gfx90a
+fi

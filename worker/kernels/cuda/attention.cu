@@ -1,0 +1,634 @@
+// specd/cuda/attention.cu: causal grouped-query attention over the KV cache, flash-decoding
+// with FIXED chunk boundaries (see attention.cuh). For query row r (position p = *d_pos0 + r),
+// head h, KV head g = h / group and chunk c (positions j in [256c, min(256c + 256, p + 1))):
+//   s_j = scale * dot(q, K_j)        dot = (a0 + a1) + (a2 + a3), a_k = sequential fmaf chain
+//                                     over the dims d = k mod 4, ascending
+//   m   = max_j s_j                   (exact)
+//   p_j = exp(s_j - m)                (s_j - m taken exactly, ~2 ulp; 0 past the causal end)
+//   l   = butterfly over 32 lanes of each lane's ascending sum of p_{lane + 32k}, k < 8
+//   o   = sum_j p_j V_j               sequential fmaf chain over j ascending
+// A query with one chunk (p < 256) is finished in place: out = o / l. Otherwise the partials
+// (m_c, l_c, o_c) go to the workspace and a second kernel combines them:
+//   M = max_c m_c,  w_c = exp(m_c - M),  out = (sum_c w_c o_c) / (sum_c w_c l_c)
+// each sum taken as K interleaved fmaf chains (c = k mod K, ascending) added in k order,
+// K = 256 / (head_dim/4). Every step's order is fixed by the query's position, its head and
+// head_dim alone, never by n, by the other rows sharing a block, by the block shape or by the
+// launch shape: outputs are BATCH-INVARIANT (bit-identical for decode, speculative verify and
+// prefill), which lossless speculative decoding needs.
+//
+// Partial kernel: a persistent grid of min(items, 2 blocks per SM), 256 threads; an item is
+// (chunk, KV head, tile of up to RMAX "rows" = (query, query head of this KV head) pairs), so
+// each K/V element is loaded and converted once for the whole GQA group and all queries of the
+// tile. Items run chunk-major and a block stops at the first chunk past the last position, so
+// dead chunks cost nothing while the grid depends only on (n, n_ctx, heads, head_dim) and the
+// device; positions are read on the device (graph-capturable). The chunk is streamed through
+// shared memory in sub-tiles of ST positions (K, then V), each loaded to registers one step
+// ahead of its use (the next item's first K sub-tile during the current item's last step):
+//   phase 1  scores S[row, j]: a thread holds NI rows x 2 positions (lane + 32u); with fewer
+//            than 8 rows, the warps also split the positions
+//   phase 2  softmax statistics: a warp per row, lane -> positions lane + 32k
+//   phase 3  o[row, 4 dims]: thread -> dims 4*(t % (HD/4)), rows t / (HD/4) + SLOTS*i
+// head_dim is padded to HD in {64, 128, 256} with zeros (exact: 0 * 0 adds nothing). Block
+// shapes (RMAX, ST): "Dec" for <= 8-16 rows (decode, short verify: long sub-tiles), "Big" for
+// more rows (sm_80+), "Small" where shared memory is 64 KiB (sm_75, AMD); none changes a result.
+// Combine kernel: grid (n_heads, queries), one block per (query, head).
+//
+// Long prefills are cut into launches of at most kMaxQueriesPerLaunch queries (fewer for very
+// long contexts) so the workspace stays bounded; queries are independent, so this changes no
+// result either.
+#include <algorithm>
+#include <string>
+
+#include "cuda/attention.cuh"
+#include "cuda/testing.h"
+
+namespace specd {
+namespace gpu {
+
+namespace {
+
+constexpr int kAttnThreads = 256;
+constexpr int kWarps = kAttnThreads / kGroup;   // 8 groups of 32 lanes
+constexpr int kChunk = (int)kAttnChunk;         // 256 positions
+constexpr int kMaxQueriesPerLaunch = 32;
+constexpr size_t kWorkBudget = size_t(64) << 20;  // workspace bytes aimed at for long contexts
+
+constexpr float kLog2e = 1.44269502162933349609375f;  // float(log2 e)
+constexpr float kLog2eLo = 1.925963033500011e-08f;     // log2 e - kLog2e
+constexpr float kLn2 = 0.693147180559945309f;
+
+// exp(x - c) for x <= c, with x - c taken exactly (TwoSum) and 2^t corrected for the rounding
+// of t = (x - c) log2 e: about 2 ulp (exp2f's), independent of |x - c|. 0 below e^-104.
+__device__ __forceinline__ float exp_diff(float x, float c) {
+  const float d = __fsub_rn(x, c);
+  if (d < -104.f) return 0.f;
+  const float bb = __fsub_rn(d, x);
+  const float err = __fadd_rn(__fsub_rn(x, __fsub_rn(d, bb)), __fsub_rn(-c, bb));  // (x - c) - d, exact
+  const float t = __fmul_rn(d, kLog2e);
+  const float e = fmaf(err, kLog2e, fmaf(d, kLog2eLo, fmaf(d, kLog2e, -t)));      // (x - c) log2 e - t
+  const float y = exp2f(t);
+  return fmaf(y, __fmul_rn(e, kLn2), y);
+}
+
+__device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+__device__ __forceinline__ void fma4(float4& a, float s, const float4& v) {
+  a.x = fmaf(s, v.x, a.x);
+  a.y = fmaf(s, v.y, a.y);
+  a.z = fmaf(s, v.z, a.z);
+  a.w = fmaf(s, v.w, a.w);
+}
+__device__ __forceinline__ float comp(const float4& v, int k) { return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w; }
+
+// Block shape per (head_dim padding HD, rows per block RMAX, positions per sub-tile ST,
+// blocks per multiprocessor the registers are budgeted for MINB).
+template <int HD_, int RMAX_, int ST_, int MINB_ = 2>
+struct Cfg {
+  static constexpr int HD = HD_, RMAX = RMAX_, ST = ST_, MINB = MINB_;
+  static constexpr int HDP = HD + 4;
+  // loop unrolling where the registers allow it (few rows per thread)
+  static constexpr int UNROLL1 = RMAX <= 16 ? 2 : 1, UNROLL3 = RMAX <= 16 ? 2 : 1;          // padded row of a K/V tile in floats (no bank conflicts)
+  static constexpr int NU = ST / kGroup;      // phase 1: positions per thread
+  static constexpr int NI1 = RMAX / kWarps;   // phase 1/2: rows per warp
+  static constexpr int SLOTS = kAttnThreads / (HD / 4);  // phase 3: row slots
+  static constexpr int NI3 = RMAX / SLOTS;    // phase 3: rows per thread
+  // shared floats: q [RMAX, HD] | S [RMAX, 256] | tile [ST, HDP] | m, l [RMAX, 2]
+  static constexpr int kQ = 0, kS = RMAX * HD, kTile = kS + RMAX * kChunk, kMl = kTile + ST * HDP;
+  static constexpr size_t kSmemBytes = sizeof(float) * (size_t)(kMl + 2 * RMAX) + sizeof(int) * 2 * RMAX;
+  static_assert(NI1 >= 1 && NI3 >= 1 && NU >= 1 && RMAX % kWarps == 0 && RMAX % SLOTS == 0, "block shape");
+};
+
+struct AttnParams {
+  const float* q;      // [n, n_heads, hd]
+  const void* k;       // [n_ctx, n_kv*hd]
+  const void* v;
+  float* out;          // [n, n_heads, hd]
+  float* work_o;       // [nq, n_heads, n_chunks, hd] partial o (multi-chunk queries)
+  float* work_ml;      // [nq, n_heads, n_chunks, 2] partial (m, l)
+  const int32_t* d_pos0;
+  int32_t n_ctx;       // <= 2^21
+  int32_t r0;          // first query row of this launch
+  int32_t nq;          // query rows in this launch
+  int32_t n_heads, n_kv, group, hd, n_chunks;
+  int32_t n_tiles;     // row tiles of the block shape in use
+  float scale;
+};
+
+// A sub-tile of ST cache rows (one KV head, dims padded to HD) in registers, 16 bytes a load,
+// then converted to float into shared memory. Rows >= jend and dims >= hd are zeros.
+template <class C, class KvT>
+struct TileRegs {
+  static constexpr int VEC = 16 / (int)sizeof(KvT);       // elements per 16-byte load
+  static constexpr int VPR = C::HD / VEC;                 // loads per (padded) row
+  static constexpr int NV = C::ST * VPR / kAttnThreads;   // loads per thread
+  static_assert(NV >= 1 && C::ST * VPR % kAttnThreads == 0, "tile loads");
+  uint4 r[NV];
+
+  __device__ __forceinline__ void load(const KvT* cache, int ld, int col0, int hd, int j0, int jend) {
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const int v = threadIdx.x + kAttnThreads * i, jj = v / VPR, d = (v % VPR) * VEC;
+      const int j = j0 + jj;
+      r[i] = (j < jend && d < hd) ? *reinterpret_cast<const uint4*>(cache + (int64_t)j * ld + col0 + d)
+                                  : make_uint4(0, 0, 0, 0);
+    }
+  }
+  __device__ __forceinline__ void store(float* tile) const {
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const int v = threadIdx.x + kAttnThreads * i, jj = v / VPR, d = (v % VPR) * VEC;
+      float* dst = tile + jj * C::HDP + d;
+      if (sizeof(KvT) == 2) {
+        const uint32_t w[4] = {r[i].x, r[i].y, r[i].z, r[i].w};
+        float f[8];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const float2 t = __half22float2(*reinterpret_cast<const __half2*>(&w[k]));
+          f[2 * k] = t.x;
+          f[2 * k + 1] = t.y;
+        }
+        *reinterpret_cast<float4*>(dst) = make_float4(f[0], f[1], f[2], f[3]);
+        *reinterpret_cast<float4*>(dst + 4) = make_float4(f[4], f[5], f[6], f[7]);
+      } else {
+        *reinterpret_cast<float4*>(dst) = make_float4(__uint_as_float(r[i].x), __uint_as_float(r[i].y),
+                                                      __uint_as_float(r[i].z), __uint_as_float(r[i].w));
+      }
+    }
+  }
+};
+
+// Phase 1 for NI rows rb + rs*i and the positions lane + 32u of a sub-tile at offset joff,
+// u = u_first, u_first + u_step, ... (two at a time for registers; u_step 2*k).
+template <class C, int NI>
+__device__ __forceinline__ void scores(const float* qs, const float* tile, float* S, int rb, int rs, int u_first,
+                                       int u_step, int lane, int joff, float scale) {
+  constexpr int UB = C::NU < 2 ? C::NU : 2;
+#pragma unroll 1
+  for (int u0 = u_first; u0 < C::NU; u0 += u_step) {
+    float4 acc[NI][UB];
+#pragma unroll
+    for (int i = 0; i < NI; ++i)
+#pragma unroll
+      for (int u = 0; u < UB; ++u) acc[i][u] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll C::UNROLL1
+    for (int d = 0; d < C::HD; d += 4) {
+      float4 k[UB];
+#pragma unroll
+      for (int u = 0; u < UB; ++u)
+        k[u] = *reinterpret_cast<const float4*>(tile + (lane + kGroup * (u0 + u)) * C::HDP + d);
+#pragma unroll
+      for (int i = 0; i < NI; ++i) {
+        const float4 q = *reinterpret_cast<const float4*>(qs + (rb + rs * i) * C::HD + d);
+#pragma unroll
+        for (int u = 0; u < UB; ++u) {
+          acc[i][u].x = fmaf(q.x, k[u].x, acc[i][u].x);
+          acc[i][u].y = fmaf(q.y, k[u].y, acc[i][u].y);
+          acc[i][u].z = fmaf(q.z, k[u].z, acc[i][u].z);
+          acc[i][u].w = fmaf(q.w, k[u].w, acc[i][u].w);
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < NI; ++i)
+#pragma unroll
+      for (int u = 0; u < UB; ++u) {
+        const float4 a = acc[i][u];
+        S[(rb + rs * i) * kChunk + joff + lane + kGroup * (u0 + u)] =
+            __fmul_rn(__fadd_rn(__fadd_rn(a.x, a.y), __fadd_rn(a.z, a.w)), scale);
+      }
+  }
+}
+
+// Phase 3 for NI rows (slot + SLOTS i), 4 dims at d: acc[i] += sum_j p[row, joff + j] V_j, j ascending.
+template <class C, int NI>
+__device__ __forceinline__ void weighted(const float* S, const float* tile, float4* acc, int slot, int d, int joff) {
+#pragma unroll C::UNROLL3
+  for (int j = 0; j < C::ST; j += 4) {
+    float4 p[NI];
+#pragma unroll
+    for (int i = 0; i < NI; ++i) p[i] = *reinterpret_cast<const float4*>(S + (slot + C::SLOTS * i) * kChunk + joff + j);
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {
+      const float4 v = *reinterpret_cast<const float4*>(tile + (j + jj) * C::HDP + d);
+#pragma unroll
+      for (int i = 0; i < NI; ++i) fma4(acc[i], comp(p[i], jj), v);
+    }
+  }
+}
+
+// ---- kernels
+
+// One work item: (chunk c, KV head g, row tile) of a launch. Items run chunk-major, so the live
+// ones (c <= the last position's chunk) come first and spread evenly over the persistent grid.
+struct Item {
+  int c, g, row0, R;  // rows [row0, row0 + R) of (query, head within the group), query-major
+  int j0, jend;       // chunk start; cache rows the item reads end at jend
+  int nsub;           // sub-tiles of ST positions
+};
+
+template <class C>
+__device__ __forceinline__ bool item_of(const AttnParams& P, int64_t item, int pos0, Item& it) {
+  const int per_c = P.n_kv * P.n_tiles;
+  it.c = (int)(item / per_c);
+  const int rest = (int)(item % per_c);
+  it.g = rest % P.n_kv;
+  it.row0 = (rest / P.n_kv) * C::RMAX;
+  it.R = min(C::RMAX, P.nq * P.group - it.row0);
+  it.j0 = it.c * kChunk;
+  const int p_max = pos0 + (it.row0 + it.R - 1) / P.group;  // the tile's last position
+  if (it.j0 > p_max) return false;                           // past every row's causal end
+  it.jend = min(p_max + 1, P.n_ctx);
+  it.nsub = (min(kChunk, it.jend - it.j0) + C::ST - 1) / C::ST;
+  return true;
+}
+
+// Persistent grid of min(items, resident blocks); a block takes items blockIdx.x + k*gridDim.x
+// and stops at the first chunk past the launch's last position. The next live item's first K
+// sub-tile is loaded while the current one finishes.
+template <class C, class KvT>
+__global__ void __launch_bounds__(kAttnThreads, C::MINB) attn_chunk_kernel(const AttnParams P) {
+  extern __shared__ float4 smem4[];
+  float* smem = reinterpret_cast<float*>(smem4);
+  float* qs = smem + C::kQ;
+  float* S = smem + C::kS;
+  float* tile = smem + C::kTile;
+  float* ml = smem + C::kMl;
+  int* row_valid = reinterpret_cast<int*>(ml + 2 * C::RMAX);  // [RMAX] positions of this chunk a row sees
+  int* row_qh = row_valid + C::RMAX;                          // [RMAX] query * n_heads + head
+
+  const int pos0 = *P.d_pos0 + P.r0;  // position of this launch's query 0 (positions < n_ctx <= 2^21)
+  const int64_t total = (int64_t)P.n_chunks * P.n_kv * P.n_tiles;
+  const int c_last = (pos0 + P.nq - 1) / kChunk;
+  const int ld = P.n_kv * P.hd;
+  const KvT* kc = static_cast<const KvT*>(P.k);
+  const KvT* vc = static_cast<const KvT*>(P.v);
+  const int warp = threadIdx.x / kGroup, lane = threadIdx.x % kGroup;
+  const int d = (threadIdx.x % (C::HD / 4)) * 4, slot = threadIdx.x / (C::HD / 4);  // phase 3
+
+  TileRegs<C, KvT> regs;
+  bool prefetched = false;
+  for (int64_t item = blockIdx.x; item < total; item += gridDim.x) {
+    Item it;
+    if (item / (P.n_kv * P.n_tiles) > c_last) break;
+    if (!item_of<C>(P, item, pos0, it)) continue;
+    const int col0 = it.g * P.hd;
+    if (!prefetched) regs.load(kc, ld, col0, P.hd, it.j0, it.jend);  // K sub-tile 0
+    __syncthreads();  // the previous item is done with shared memory
+
+    // Stage q rows (zero-padded to HD) and each row's causal length in this chunk.
+    for (int e = threadIdx.x; e < it.R * (C::HD / 4); e += kAttnThreads) {
+      const int row = e / (C::HD / 4), dd = (e % (C::HD / 4)) * 4;
+      const int gr = it.row0 + row, qi = gr / P.group, h = it.g * P.group + gr % P.group;
+      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (dd < P.hd) v = *reinterpret_cast<const float4*>(P.q + ((int64_t)(P.r0 + qi) * P.n_heads + h) * P.hd + dd);
+      *reinterpret_cast<float4*>(qs + row * C::HD + dd) = v;
+    }
+    if (threadIdx.x < C::RMAX) {
+      const int row = threadIdx.x, gr = it.row0 + row, qi = gr / P.group;
+      const int p = pos0 + qi;
+      row_valid[row] = row < it.R ? max(0, min(kChunk, min(p + 1, P.n_ctx) - it.j0)) : 0;
+      row_qh[row] = (P.r0 + qi) * P.n_heads + it.g * P.group + gr % P.group;
+    }
+
+    // ---- phase 1: scores of K sub-tiles. Warp w takes rows w%WR + WR*i and, when there are
+    // fewer than 8 rows, the part w/WR of the positions (every warp busy in decode).
+    const int WR = C::RMAX >= 32 ? kWarps : min(kWarps, it.R);  // (prefill shapes: fixed, fewer registers)
+    const int PU = kWarps / WR, wr = warp % WR, part = warp / WR;
+    const int ni1 = part < PU ? min(C::NI1, (it.R - wr + WR - 1) / WR) : 0;  // rows of this warp
+    constexpr int UB = C::NU < 2 ? C::NU : 2;
+    for (int st = 0; st < it.nsub; ++st) {
+      __syncthreads();  // the tile is free (and, at st = 0, the staging is visible)
+      regs.store(tile);
+      if (st + 1 < it.nsub) regs.load(kc, ld, col0, P.hd, it.j0 + (st + 1) * C::ST, it.jend);
+      else regs.load(vc, ld, col0, P.hd, it.j0, it.jend);  // V sub-tile 0, in flight through phase 2
+      __syncthreads();
+      const int joff = st * C::ST, uf = part * UB, us = PU * UB;
+      switch (ni1) {
+        case 1: scores<C, 1>(qs, tile, S, wr, WR, uf, us, lane, joff, P.scale); break;
+        case 2: if constexpr (C::NI1 >= 2) scores<C, 2>(qs, tile, S, wr, WR, uf, us, lane, joff, P.scale); break;
+        case 3: if constexpr (C::NI1 >= 3) scores<C, 3>(qs, tile, S, wr, WR, uf, us, lane, joff, P.scale); break;
+        case 4: if constexpr (C::NI1 >= 4) scores<C, 4>(qs, tile, S, wr, WR, uf, us, lane, joff, P.scale); break;
+        default: break;
+      }
+    }
+    __syncthreads();
+
+    // ---- phase 2: m, p = exp(s - m), l per row (a warp per row)
+    for (int i = 0; i < C::NI1; ++i) {
+      const int row = warp + kWarps * i;
+      if (row >= it.R) break;
+      const int valid = row_valid[row];
+      float* Sr = S + row * kChunk;
+      float sv[kChunk / kGroup];
+      float m = -INFINITY;
+#pragma unroll
+      for (int k = 0; k < kChunk / kGroup; ++k) {
+        const int j = lane + kGroup * k;
+        sv[k] = j < valid ? Sr[j] : -INFINITY;
+        m = fmaxf(m, sv[k]);
+      }
+      m = group_max(m);
+      float l = 0.f;
+#pragma unroll
+      for (int k = 0; k < kChunk / kGroup; ++k) {
+        const int j = lane + kGroup * k;
+        const float p = j < valid ? exp_diff(sv[k], m) : 0.f;
+        Sr[j] = p;
+        l = __fadd_rn(l, p);
+      }
+      l = group_sum(l);
+      if (lane == 0) {
+        ml[2 * row] = m;
+        ml[2 * row + 1] = l;
+      }
+    }
+
+    // ---- phase 3: o = sum_j p_j V_j over V sub-tiles
+    const int ni3 = slot < it.R ? min(C::NI3, (it.R - slot + C::SLOTS - 1) / C::SLOTS) : 0;
+    float4 acc[C::NI3];
+#pragma unroll
+    for (int i = 0; i < C::NI3; ++i) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int st = 0; st < it.nsub; ++st) {
+      __syncthreads();  // S is final (st == 0) / the tile is free
+      regs.store(tile);
+      if (st + 1 < it.nsub) {
+        regs.load(vc, ld, col0, P.hd, it.j0 + (st + 1) * C::ST, it.jend);
+      } else {  // the next live item's K sub-tile 0
+        Item nx;
+        const int64_t next = item + gridDim.x;
+        prefetched = next < total && next / (P.n_kv * P.n_tiles) <= c_last && item_of<C>(P, next, pos0, nx);
+        if (prefetched) regs.load(kc, ld, nx.g * P.hd, P.hd, nx.j0, nx.jend);
+      }
+      __syncthreads();
+      const int joff = st * C::ST;
+      switch (ni3) {
+        case 1: weighted<C, 1>(S, tile, acc, slot, d, joff); break;
+        case 2: if constexpr (C::NI3 >= 2) weighted<C, 2>(S, tile, acc, slot, d, joff); break;
+        case 3: if constexpr (C::NI3 >= 3) weighted<C, 3>(S, tile, acc, slot, d, joff); break;
+        case 4: if constexpr (C::NI3 >= 4) weighted<C, 4>(S, tile, acc, slot, d, joff); break;
+        default: break;
+      }
+    }
+
+    // ---- output: finished rows (one chunk) normalised in place, the others as partials
+    if (d < P.hd) {
+#pragma unroll
+      for (int i = 0; i < C::NI3; ++i) {
+        const int row = slot + C::SLOTS * i;
+        if (i >= ni3 || row_valid[row] == 0) continue;
+        const int qh = row_qh[row];
+        const int p = pos0 + (it.row0 + row) / P.group;
+        const float m = ml[2 * row], l = ml[2 * row + 1];
+        if (p < kChunk || P.n_chunks == 1) {
+          *reinterpret_cast<float4*>(P.out + (int64_t)qh * P.hd + d) = make_float4(
+              __fdiv_rn(acc[i].x, l), __fdiv_rn(acc[i].y, l), __fdiv_rn(acc[i].z, l), __fdiv_rn(acc[i].w, l));
+        } else {
+          const int64_t u = ((int64_t)(qh - P.r0 * P.n_heads)) * P.n_chunks + it.c;  // launch-local partial
+          *reinterpret_cast<float4*>(P.work_o + u * P.hd + d) = acc[i];
+          if (d == 0) {
+            P.work_ml[2 * u] = m;
+            P.work_ml[2 * u + 1] = l;
+          }
+        }
+      }
+    }
+  }
+}
+
+// grid (n_heads, nq), 256 threads, one block per (query, head) of a query with more than one
+// chunk. Thread t -> dims d = 4 (t % (hd/4)) and chunk class k = t / (hd/4) < K = 256/(hd/4):
+//   M = max_c m_c,  w_c = exp(m_c - M)
+//   A_k = sum_{c = k mod K, ascending} w_c o_c,  L_k likewise with l_c   (fmaf chains)
+//   out = (A_0 + A_1 + ... + A_{K-1}) / (L_0 + ... + L_{K-1})           (k ascending)
+// Fixed by (head_dim, the query's chunk count) alone. Dynamic shared memory: n_chunks (rounded up
+// to 4) + K*(hd+1) floats.
+__global__ void __launch_bounds__(kAttnThreads) attn_combine_kernel(const AttnParams P) {
+  extern __shared__ float csm[];
+  __shared__ float red[kWarps];
+  const int h = blockIdx.x, r = blockIdx.y;  // r: launch-local query
+  const int64_t p = (int64_t)*P.d_pos0 + P.r0 + r;
+  const int nc = (int)min64(P.n_chunks, p / kChunk + 1);
+  if (nc <= 1) return;  // finished by the partial kernel
+  const int64_t u0 = ((int64_t)r * P.n_heads + h) * P.n_chunks;
+  const float* mlp = P.work_ml + 2 * u0;
+  const int d4s = P.hd / 4, K = kAttnThreads / d4s;
+  float* w = csm;                                // [n_chunks, rounded up to 4]
+  float* partA = csm + ((P.n_chunks + 3) & ~3);  // [K, hd] (16-byte aligned)
+  float* partL = partA + K * P.hd;       // [K]
+
+  float m = -INFINITY;
+  for (int c = threadIdx.x; c < nc; c += kAttnThreads) m = fmaxf(m, mlp[2 * c]);
+  m = group_max(m);
+  if (threadIdx.x % kGroup == 0) red[threadIdx.x / kGroup] = m;
+  __syncthreads();
+  float M = red[0];
+#pragma unroll
+  for (int i = 1; i < kWarps; ++i) M = fmaxf(M, red[i]);
+  for (int c = threadIdx.x; c < nc; c += kAttnThreads) w[c] = exp_diff(mlp[2 * c], M);
+  __syncthreads();
+
+  const int k = threadIdx.x / d4s, d = (threadIdx.x % d4s) * 4;
+  if (k < K) {
+    float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+    float l = 0.f;
+#pragma unroll 4
+    for (int c = k; c < nc; c += K) {
+      const float wc = w[c];
+      fma4(a, wc, *reinterpret_cast<const float4*>(P.work_o + (u0 + c) * P.hd + d));
+      l = fmaf(wc, mlp[2 * c + 1], l);
+    }
+    *reinterpret_cast<float4*>(partA + k * P.hd + d) = a;
+    if (d == 0) partL[k] = l;
+  }
+  __syncthreads();
+  if (threadIdx.x < d4s) {
+    float4 a = *reinterpret_cast<const float4*>(partA + d);
+    float L = partL[0];
+    for (int i = 1; i < K; ++i) {
+      const float4 b = *reinterpret_cast<const float4*>(partA + i * P.hd + d);
+      a = make_float4(__fadd_rn(a.x, b.x), __fadd_rn(a.y, b.y), __fadd_rn(a.z, b.z), __fadd_rn(a.w, b.w));
+      L = __fadd_rn(L, partL[i]);
+    }
+    *reinterpret_cast<float4*>(P.out + ((int64_t)(P.r0 + r) * P.n_heads + h) * P.hd + d) =
+        make_float4(__fdiv_rn(a.x, L), __fdiv_rn(a.y, L), __fdiv_rn(a.z, L), __fdiv_rn(a.w, L));
+  }
+}
+
+// ---- host side
+
+int n_chunks_of(int64_t n_ctx) { return (int)ceil_div(n_ctx, kChunk); }
+
+// Queries per launch: all of them when no workspace is needed, else at most
+// kMaxQueriesPerLaunch and few enough for the workspace to stay near kWorkBudget.
+int64_t queries_per_launch(int64_t n, int64_t n_ctx, int32_t n_heads, int32_t head_dim) {
+  const int64_t nc = n_chunks_of(n_ctx);
+  if (nc <= 1) return n;
+  const int64_t per_query = (int64_t)n_heads * nc * (head_dim + 2) * (int64_t)sizeof(float);
+  const int64_t fit = std::max<int64_t>(1, (int64_t)kWorkBudget / per_query);
+  return std::max<int64_t>(1, std::min<int64_t>({n, (int64_t)kMaxQueriesPerLaunch, fit}));
+}
+
+// What the launchers need of the device in use, cached per device.
+struct DevLimits {
+  size_t smem_per_block = 0;  // opt-in maximum
+  int sms = 0;
+};
+
+const DevLimits& dev_limits() {
+  static DevLimits cached[64];
+  int dev = 0;
+  SPECD_GPU_CHECK(gpuGetDevice(&dev));
+  if (dev < 0 || dev >= 64) dev = 0;
+  DevLimits& L = cached[dev];
+  if (!L.sms) {
+    gpuDeviceProp p;
+    SPECD_GPU_CHECK(gpuGetDeviceProperties(&p, dev));
+#if SPECD_HIP
+    L.smem_per_block = p.sharedMemPerBlock;  // (no opt-in field in every ROCm; AMD has no opt-in anyway)
+#else
+    L.smem_per_block = std::max<size_t>(p.sharedMemPerBlockOptin, p.sharedMemPerBlock);
+#endif
+    L.sms = std::max(1, p.multiProcessorCount);
+  }
+  return L;
+}
+
+template <class C, class KvT>
+void launch_cfg(AttnParams P, int64_t rows, gpuStream_t s) {
+  auto kern = attn_chunk_kernel<C, KvT>;
+  SPECD_GPU_CHECK(gpuFuncSetAttribute(kern, gpuFuncAttributeMaxDynamicSharedMemorySize, (int)C::kSmemBytes));
+  P.n_tiles = (int32_t)ceil_div(rows, C::RMAX);
+  const int64_t items = (int64_t)P.n_chunks * P.n_kv * P.n_tiles;
+  const int64_t grid = std::min<int64_t>(items, (int64_t)dev_limits().sms * C::MINB);
+  kern<<<(unsigned)grid, kAttnThreads, C::kSmemBytes, s>>>(P);
+  SPECD_GPU_LAUNCHED("attn_chunk_kernel");
+}
+
+// The first block shape that fits the device's shared memory: Dec (few rows: decode and
+// short verify; long sub-tiles), Big (sm_80+), Small (sm_75 and AMD: 64 KiB).
+template <class Dec, class Big, class Small, class KvT>
+void launch_hd(const AttnParams& P, int64_t rows, gpuStream_t s) {
+  const size_t smem = dev_limits().smem_per_block;
+  if (rows <= Dec::RMAX && Dec::kSmemBytes <= smem) launch_cfg<Dec, KvT>(P, rows, s);
+  else if (Big::kSmemBytes <= smem) launch_cfg<Big, KvT>(P, rows, s);
+  else launch_cfg<Small, KvT>(P, rows, s);
+}
+
+// Float caches take shorter sub-tiles where the staging registers would not fit, and one
+// block per multiprocessor at head_dim 256.
+void launch_partial(const AttnParams& P, bool f16, int64_t rows, gpuStream_t s) {
+  if (f16) {
+    if (P.hd <= 64) launch_hd<Cfg<64, 16, 128>, Cfg<64, 32, 64>, Cfg<64, 16, 64>, uint16_t>(P, rows, s);
+    else if (P.hd <= 128) launch_hd<Cfg<128, 8, 128>, Cfg<128, 32, 64>, Cfg<128, 16, 64>, uint16_t>(P, rows, s);
+    else launch_hd<Cfg<256, 8, 32>, Cfg<256, 16, 32>, Cfg<256, 8, 32>, uint16_t>(P, rows, s);
+  } else {
+    if (P.hd <= 64) launch_hd<Cfg<64, 16, 64>, Cfg<64, 32, 32>, Cfg<64, 16, 64>, float>(P, rows, s);
+    else if (P.hd <= 128) launch_hd<Cfg<128, 8, 32>, Cfg<128, 32, 32>, Cfg<128, 16, 32>, float>(P, rows, s);
+    else launch_hd<Cfg<256, 8, 32, 1>, Cfg<256, 16, 32, 1>, Cfg<256, 8, 32, 1>, float>(P, rows, s);
+  }
+}
+
+}  // namespace
+
+size_t attention_workspace_bytes(int64_t n, int64_t n_ctx, int32_t n_heads, int32_t head_dim) {
+  if (n <= 0 || n_ctx <= 0 || n_heads <= 0 || head_dim <= 0) return 0;
+  const int64_t nc = n_chunks_of(n_ctx);
+  if (nc <= 1) return 0;
+  const int64_t nq = queries_per_launch(n, n_ctx, n_heads, head_dim);
+  return sizeof(float) * (size_t)(nq * n_heads * nc * (head_dim + 2));
+}
+
+void attention(const AttnArgs& a, gpuStream_t s) {
+  const std::string at = "attention: ";
+  if (a.n_heads <= 0 || a.n_kv_heads <= 0 || a.n_heads % a.n_kv_heads != 0)
+    throw Error(at + "n_heads (" + std::to_string(a.n_heads) + ") must be a positive multiple of n_kv_heads (" +
+                std::to_string(a.n_kv_heads) + ")");
+  if (a.head_dim <= 0 || a.head_dim > 256 || a.head_dim % 8 != 0)
+    throw Error(at + "head_dim must be a multiple of 8 in [8, 256], got " + std::to_string(a.head_dim));
+  if (a.n < 0 || a.n_ctx <= 0)
+    throw Error(at + "n must be >= 0 and n_ctx > 0, got n=" + std::to_string(a.n) + ", n_ctx=" +
+                std::to_string(a.n_ctx));
+  if (a.n_ctx > (int64_t(1) << 21))
+    throw Error(at + "n_ctx " + std::to_string(a.n_ctx) + " is above the 2097152 positions supported");
+  if (a.n == 0) return;
+  if (!a.q || !a.k_cache || !a.v_cache || !a.out || !a.d_pos0)
+    throw Error(at + "q, k_cache, v_cache, out and d_pos0 must be device pointers, got a null one");
+  const int64_t nc = n_chunks_of(a.n_ctx);
+  if (nc > 1 && !a.work)
+    throw Error(at + "a workspace of attention_workspace_bytes(...) = " +
+                std::to_string(attention_workspace_bytes(a.n, a.n_ctx, a.n_heads, a.head_dim)) +
+                " bytes is needed (n_ctx > " + std::to_string(kChunk) + ")");
+  const int32_t group = a.n_heads / a.n_kv_heads;
+  const int64_t nq = queries_per_launch(a.n, a.n_ctx, a.n_heads, a.head_dim);
+  if (a.n_kv_heads > 65535) throw Error(at + "n_kv_heads must be <= 65535");
+
+  AttnParams P{};
+  P.q = a.q;
+  P.k = a.k_cache;
+  P.v = a.v_cache;
+  P.out = a.out;
+  P.work_o = static_cast<float*>(a.work);
+  P.work_ml = P.work_o ? P.work_o + (size_t)nq * a.n_heads * nc * a.head_dim : nullptr;
+  P.d_pos0 = a.d_pos0;
+  P.n_ctx = (int32_t)a.n_ctx;
+  P.n_heads = a.n_heads;
+  P.n_kv = a.n_kv_heads;
+  P.group = group;
+  P.hd = a.head_dim;
+  P.n_chunks = (int32_t)nc;
+  P.scale = a.scale;
+  for (int64_t r0 = 0; r0 < a.n; r0 += nq) {
+    P.r0 = (int32_t)r0;
+    P.nq = (int32_t)std::min<int64_t>(nq, a.n - r0);
+    const int64_t rows = (int64_t)P.nq * group;
+    launch_partial(P, a.kv_f16, rows, s);
+    if (nc > 1) {
+      const int K = kAttnThreads / (a.head_dim / 4);
+      const size_t smem = sizeof(float) * (size_t)(((nc + 3) & ~3) + K * (a.head_dim + 1));
+      attn_combine_kernel<<<dim3((unsigned)a.n_heads, (unsigned)P.nq), kAttnThreads, smem, s>>>(P);
+      SPECD_GPU_LAUNCHED("attn_combine_kernel");
+    }
+  }
+}
+
+// ---- testing entry point (cuda/testing.h)
+
+namespace testing {
+
+void attention(const float* q, const void* k_cache, const void* v_cache, bool kv_f16, int64_t n_ctx, int64_t n,
+               int32_t pos0, int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, float scale, float* out) {
+  if (pos0 < 0 || n < 0 || pos0 + n > n_ctx)
+    throw Error("attention: positions " + std::to_string(pos0) + ".." + std::to_string(pos0 + n) +
+                " do not fit the cache's " + std::to_string(n_ctx) + " rows");
+  if (n_heads <= 0 || n_kv_heads <= 0 || head_dim <= 0)
+    throw Error("attention: n_heads, n_kv_heads and head_dim must be > 0");
+  const size_t q_bytes = sizeof(float) * (size_t)(n * n_heads * head_dim);
+  const size_t cache_bytes = (kv_f16 ? 2 : 4) * (size_t)(n_ctx * n_kv_heads * head_dim);
+  DeviceBuffer dq(q_bytes), dk(cache_bytes), dv(cache_bytes), dout(q_bytes), dpos(sizeof(int32_t));
+  DeviceBuffer work(attention_workspace_bytes(n, n_ctx, n_heads, head_dim));
+  to_device(dq.get(), q, q_bytes);
+  to_device(dk.get(), k_cache, cache_bytes);
+  to_device(dv.get(), v_cache, cache_bytes);
+  to_device(dpos.get(), &pos0, sizeof(int32_t));
+  AttnArgs a;
+  a.q = dq.get<float>();
+  a.k_cache = dk.get();
+  a.v_cache = dv.get();
+  a.kv_f16 = kv_f16;
+  a.n_ctx = n_ctx;
+  a.n = n;
+  a.d_pos0 = dpos.get<int32_t>();
+  a.n_heads = n_heads;
+  a.n_kv_heads = n_kv_heads;
+  a.head_dim = head_dim;
+  a.scale = scale;
+  a.out = dout.get<float>();
+  a.work = work.get();
+  gpu::attention(a, nullptr);
+  SPECD_GPU_CHECK(gpuDeviceSynchronize());
+  to_host(out, dout.get(), q_bytes);
+}
+
+}  // namespace testing
+}  // namespace gpu
+}  // namespace specd

@@ -1,0 +1,543 @@
+// specd/cuda/gpu_model.cu: the llama-family forward pass on one GPU (the maths of
+// model/model.h), sequencing the ops of cuda/*.cuh on one stream.
+//
+// Small forwards (n <= kMaxSmallBatch: decode and speculative verify) run the batch-
+// invariant float32 path with fused launches, six per layer:
+//   qkv  = linear([Wq|Wk|Wv], rmsnorm(h))        (norm fused into the matrix-vector kernel)
+//   rope_kv(qkv) -> q roped in place, K/V rows into this sequence's cache
+//   att  = attention(q, cache)                    (fixed chunks: batch-invariant)
+//   h   += linear(Wo, att)                        (residual add fused)
+//   act  = silu(Wgate f) * (Wup f), f = rmsnorm(h) (norm and SwiGLU fused)
+//   h   += linear(Wdown, act)
+// then the head (rmsnorm fused) and the argmax of every row, all captured once per
+// (sequence, n, head) in a GPU graph whose inputs (tokens, position) live in device memory,
+// so a decode step is one H2D copy, one graph launch and one D2H copy of n token ids.
+// Large forwards (prefill chunks) run the tensor-core path with separate RMSNorm launches.
+#include "cuda/gpu_model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <string>
+
+#include "cuda/attention.cuh"
+#include "cuda/common.cuh"
+#include "cuda/device.cuh"
+#include "cuda/linear.cuh"
+#include "cuda/norm.cuh"
+#include "cuda/rope_kv.cuh"
+#include "cuda/sample.cuh"
+#include "model/model.h"
+
+namespace specd {
+namespace {
+
+using gpu::DeviceBuffer;
+using gpu::GpuWeight;
+
+constexpr size_t kAlign = 256;
+
+size_t weight_bytes(const WeightView& w) { return w.valid() ? w.row_stride * (size_t)w.n_out : 0; }
+size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+
+enum class Head : int32_t { None = 0, Last = 1, All = 2 };
+
+struct GpuLayer {
+  const float *attn_norm, *ffn_norm;
+  const float *bq = nullptr, *bk = nullptr, *bv = nullptr, *q_norm = nullptr, *k_norm = nullptr;
+  GpuWeight wq, wk, wv, wo, w_gate, w_up, w_down;
+};
+
+// Pinned host staging for one forward's inputs and outputs.
+struct Staging {
+  int32_t* host = nullptr;  // [1 + cap] : pos0, tokens...
+  int32_t* tops = nullptr;  // [cap] argmax rows
+  int64_t cap = 0;
+  ~Staging() {
+    if (host) (void)gpuFreeHost(host);
+    if (tops) (void)gpuFreeHost(tops);
+  }
+  void reserve(int64_t n) {
+    if (n <= cap) return;
+    if (host) (void)gpuFreeHost(host);
+    if (tops) (void)gpuFreeHost(tops);
+    host = tops = nullptr;
+    cap = std::max<int64_t>(n, 256);
+    SPECD_GPU_CHECK(gpuHostAlloc((void**)&host, sizeof(int32_t) * (size_t)(cap + 1), gpuHostAllocDefault));
+    SPECD_GPU_CHECK(gpuHostAlloc((void**)&tops, sizeof(int32_t) * (size_t)cap, gpuHostAllocDefault));
+  }
+};
+
+// One sequence's cache on the device, with the logits of its last small forward and the
+// graphs captured for it (they bake in the cache's and the scratch's addresses).
+class GpuKv final : public KvStore {
+ public:
+  GpuKv(int32_t n_layers, int64_t n_ctx, int64_t kv_dim, bool f16)
+      : n_layers_(n_layers), n_ctx_(n_ctx), kv_dim_(kv_dim), f16_(f16) {
+    const size_t elem = f16 ? 2 : 4;
+    layer_bytes_ = (size_t)n_ctx * (size_t)kv_dim * elem;
+    k_.resize(layer_bytes_ * (size_t)n_layers);
+    v_.resize(layer_bytes_ * (size_t)n_layers);
+  }
+  ~GpuKv() override { drop_graphs(); }
+
+  int64_t n_ctx() const override { return n_ctx_; }
+  size_t bytes() const override { return k_.size() + v_.size() + logits_.size(); }
+  bool f16() const { return f16_; }
+  void* k(int32_t l) const { return k_.get<uint8_t>() + (size_t)l * layer_bytes_; }
+  void* v(int32_t l) const { return v_.get<uint8_t>() + (size_t)l * layer_bytes_; }
+
+  // Device logits rows of the last small forward; growing it invalidates the graphs.
+  float* logits(int64_t rows, int64_t nv) {
+    const size_t need = sizeof(float) * (size_t)(rows * nv);
+    if (need > logits_.size()) {
+      drop_graphs();
+      logits_.resize(need);
+    }
+    return logits_.get<float>();
+  }
+  const float* logits_ptr() const { return logits_.get<float>(); }
+  int64_t device_rows = 0;  // rows of logits_ valid for read_logits
+
+  struct Graph {
+    gpuGraphExec_t exec = nullptr;
+    uint64_t epoch = 0;
+  };
+  std::map<int64_t, Graph> graphs;  // key: n * 4 + head
+  void drop_graphs() {
+    for (auto& g : graphs)
+      if (g.second.exec) (void)gpuGraphExecDestroy(g.second.exec);
+    graphs.clear();
+  }
+
+ private:
+  int32_t n_layers_;
+  int64_t n_ctx_, kv_dim_;
+  bool f16_;
+  size_t layer_bytes_ = 0;
+  DeviceBuffer k_, v_, logits_;
+};
+
+class GpuModel final : public ForwardModel {
+ public:
+  GpuModel(const ModelConfig& cfg, const std::vector<TensorRef>& tensors, int device_index)
+      : host_(cfg, tensors), index_(device_index) {
+    info_ = gpu::select_device(device_index);
+    const ModelConfig& c = host_.config();
+    // ---- what it needs: weights + small vectors, then a working margin
+    size_t total = 0;
+    auto count = [&](const WeightView& w) { total += align_up(weight_bytes(w)); };
+    count(host_.token_embedding());
+    if (host_.output_head().data != host_.token_embedding().data) count(host_.output_head());
+    for (const LayerWeights& L : host_.layers())
+      for (const WeightView* w : {&L.wq, &L.wk, &L.wv, &L.wo, &L.w_gate, &L.w_up, &L.w_down}) count(*w);
+    const size_t vec_bytes = align_up(sizeof(float) * (size_t)(c.dim + c.rope.n_dims)) +
+                             (size_t)c.n_layers * 8 * align_up(sizeof(float) * (size_t)std::max<int64_t>(
+                                                                   c.dim, (int64_t)c.n_heads * c.head_dim));
+    total += vec_bytes;
+    const size_t margin = 256ull << 20;
+    if (total + margin > info_.free_bytes)
+      throw Error(std::string(SPECD_GPU_NAME) + ":" + std::to_string(index_) + " (" + info_.name +
+                  "): the model needs " + std::to_string((total >> 20) + 1) + " MiB of device memory for its weights (+" +
+                  std::to_string(margin >> 20) + " MiB working space, + the KV cache per sequence), but only " +
+                  std::to_string(info_.free_bytes >> 20) + " MiB of " + std::to_string(info_.total_bytes >> 20) +
+                  " MiB are free; use a smaller or more quantized model, or another device");
+    arena_.resize(total);
+    weights_bytes_ = total;
+    SPECD_GPU_CHECK(gpuStreamCreateWithFlags(&stream_, gpuStreamNonBlocking));
+
+    // ---- upload
+    uint8_t* cursor = arena_.get<uint8_t>();
+    auto upload = [&](const void* src, size_t bytes) -> uint8_t* {
+      uint8_t* dst = cursor;
+      gpu::to_device(dst, src, bytes);
+      cursor += align_up(bytes);
+      return dst;
+    };
+    auto weight = [&](const WeightView& w) {
+      GpuWeight g;
+      g.type = w.type;
+      g.n_in = w.n_in;
+      g.n_out = w.n_out;
+      g.row_stride = w.row_stride;
+      g.data = upload(w.data, weight_bytes(w));
+      return g;
+    };
+    auto vec = [&](const float* v, int64_t n) -> const float* {
+      return v ? reinterpret_cast<const float*>(upload(v, sizeof(float) * (size_t)n)) : nullptr;
+    };
+    const int64_t q_dim = (int64_t)c.n_heads * c.head_dim, kvd = kv_dim();
+    tok_embd_ = weight(host_.token_embedding());
+    output_ = host_.output_head().data == host_.token_embedding().data ? tok_embd_ : weight(host_.output_head());
+    output_norm_ = vec(host_.output_norm(), c.dim);
+    rope_ = c.rope;
+    rope_.freq_factors = vec(c.rope.freq_factors, c.rope.n_dims / 2);
+    for (const LayerWeights& L : host_.layers()) {
+      GpuLayer g;
+      g.attn_norm = vec(L.attn_norm, c.dim);
+      g.ffn_norm = vec(L.ffn_norm, c.dim);
+      g.bq = vec(L.bq, q_dim);
+      g.bk = vec(L.bk, kvd);
+      g.bv = vec(L.bv, kvd);
+      g.q_norm = vec(L.q_norm, c.head_dim);
+      g.k_norm = vec(L.k_norm, c.head_dim);
+      g.wq = weight(L.wq);
+      g.wk = weight(L.wk);
+      g.wv = weight(L.wv);
+      g.wo = weight(L.wo);
+      g.w_gate = weight(L.w_gate);
+      g.w_up = weight(L.w_up);
+      g.w_down = weight(L.w_down);
+      layers_.push_back(g);
+    }
+    SPECD_CHECK(cursor <= arena_.get<uint8_t>() + arena_.size(), "gpu model: arena overflow (bug)");
+    pos_.resize(sizeof(int32_t) * 2);
+  }
+
+  ~GpuModel() override {
+    if (stream_) (void)gpuStreamDestroy(stream_);
+  }
+
+  const ModelConfig& config() const override { return host_.config(); }
+  std::string device() const override { return std::string(SPECD_GPU_NAME) + ":" + std::to_string(index_); }
+  const WeightView& token_embedding() const override { return host_.token_embedding(); }
+  const WeightView& output_head() const override { return host_.output_head(); }
+
+  std::unique_ptr<KvStore> new_kv(int64_t n_ctx, bool f16) const override {
+    SPECD_GPU_CHECK(gpuSetDevice(index_));
+    return std::make_unique<GpuKv>(config().n_layers, n_ctx, kv_dim(), f16);
+  }
+
+  MemoryInfo memory() const override {
+    MemoryInfo m;
+    SPECD_GPU_CHECK(gpuSetDevice(index_));
+    m.weights_bytes = weights_bytes_;
+    m.scratch_bytes = scratch_bytes();
+    SPECD_GPU_CHECK(gpuMemGetInfo(&m.device_free_bytes, &m.device_total_bytes));
+    m.device_name = info_.name;
+    return m;
+  }
+
+  void forward(KvStore& kvs, const int32_t* tokens, int64_t n, int64_t pos0, float* logits, bool all_logits,
+               const HiddenCapture* capture) const override {
+    GpuKv& kv = cast(kvs);
+    const Head head = logits == nullptr ? Head::None : all_logits ? Head::All : Head::Last;
+    const float* dl = run(kv, tokens, n, pos0, head, capture);
+    if (logits != nullptr) {
+      const int64_t nv = config().n_vocab, rows = all_logits ? n : 1;
+      SPECD_GPU_CHECK(gpuMemcpyAsync(logits, dl, sizeof(float) * (size_t)(rows * nv), gpuMemcpyDeviceToHost, stream_));
+    }
+    SPECD_GPU_CHECK(gpuStreamSynchronize(stream_));
+  }
+
+  void forward_argmax(KvStore& kvs, const int32_t* tokens, int64_t n, int64_t pos0, int32_t* out) const override {
+    GpuKv& kv = cast(kvs);
+    run(kv, tokens, n, pos0, Head::All, nullptr, /*argmax=*/true);
+    SPECD_GPU_CHECK(gpuMemcpyAsync(staging_.tops, tops_.get(), sizeof(int32_t) * (size_t)n, gpuMemcpyDeviceToHost,
+                                   stream_));
+    SPECD_GPU_CHECK(gpuStreamSynchronize(stream_));
+    std::memcpy(out, staging_.tops, sizeof(int32_t) * (size_t)n);
+    kv.last_rows = n;
+  }
+
+  void read_logits(const KvStore& kvs, int64_t row, float* out) const override {
+    const GpuKv& kv = cast(const_cast<KvStore&>(kvs));
+    SPECD_CHECK(row >= 0 && row < kv.device_rows, "read_logits: row " + std::to_string(row) +
+                                                      " is not kept on the device (the last forward kept " +
+                                                      std::to_string(kv.device_rows) + " rows)");
+    const int64_t nv = config().n_vocab;
+    SPECD_GPU_CHECK(gpuSetDevice(index_));
+    SPECD_GPU_CHECK(gpuMemcpy(out, kv.logits_ptr() + row * nv, sizeof(float) * (size_t)nv, gpuMemcpyDeviceToHost));
+  }
+
+ private:
+  static GpuKv& cast(KvStore& kv) {
+    auto* g = dynamic_cast<GpuKv*>(&kv);
+    SPECD_CHECK(g != nullptr, "the GPU model got a KV store of another device");
+    return *g;
+  }
+
+  size_t scratch_bytes() const {
+    return h_.size() + xn_.size() + qkv_.size() + q_.size() + att_.size() + act_.size() + work_.size() +
+           big_logits_.size() + tokens_.size() + tops_.size() + pos_.size();
+  }
+
+  // Grows the activation scratch for n rows; growing invalidates every captured graph
+  // (they hold the old addresses), which the epoch tells them.
+  void reserve(int64_t n, int64_t n_ctx) const {
+    const ModelConfig& c = config();
+    const int64_t q_dim = (int64_t)c.n_heads * c.head_dim, qkv_ld = q_dim + 2 * kv_dim();
+    const size_t before = scratch_bytes();
+    const uint64_t epoch0 = epoch_;
+    auto grow = [&](DeviceBuffer& b, size_t bytes) {
+      if (bytes > b.size()) {
+        b.resize(bytes);
+        ++epoch_;
+      }
+    };
+    grow(h_, sizeof(float) * (size_t)(n * c.dim));
+    grow(xn_, sizeof(float) * (size_t)(n * std::max<int64_t>(c.dim, q_dim)));
+    grow(qkv_, sizeof(float) * (size_t)(n * qkv_ld));
+    grow(q_, sizeof(float) * (size_t)(n * q_dim));
+    grow(att_, sizeof(float) * (size_t)(n * q_dim));
+    grow(act_, sizeof(float) * (size_t)(n * c.ffn_dim));
+    grow(tokens_, sizeof(int32_t) * (size_t)n);
+    grow(tops_, sizeof(int32_t) * (size_t)n);
+    grow(work_, gpu::attention_workspace_bytes(n, n_ctx, c.n_heads, c.head_dim));
+    (void)before;
+    (void)epoch0;
+    staging_.reserve(n);
+  }
+
+  // Enqueues the forward of tokens at pos0.. on the stream (no synchronisation) and returns
+  // the device logits: [n or 1, n_vocab] (kv-owned for small n, model scratch for large n).
+  const float* run(GpuKv& kv, const int32_t* tokens, int64_t n, int64_t pos0, Head head,
+                   const HiddenCapture* capture, bool argmax = false) const {
+    const ModelConfig& c = config();
+    SPECD_CHECK(n > 0, "forward needs at least one token");
+    SPECD_CHECK(pos0 >= 0 && pos0 + n <= kv.n_ctx(),
+                "forward of positions " + std::to_string(pos0) + ".." + std::to_string(pos0 + n) +
+                    " past the KV cache's " + std::to_string(kv.n_ctx()) + " positions");
+    for (int64_t i = 0; i < n; ++i)
+      SPECD_CHECK(tokens[i] >= 0 && tokens[i] < c.n_vocab, "token id " + std::to_string(tokens[i]) +
+                                                               " is out of range [0, " + std::to_string(c.n_vocab) + ")");
+    if (capture) {
+      SPECD_CHECK(capture->n_layers > 0 && capture->layers && capture->out, "hidden capture needs layers and an output");
+      for (int32_t j = 0; j < capture->n_layers; ++j)
+        SPECD_CHECK(capture->layers[j] >= 0 && capture->layers[j] < c.n_layers,
+                    "hidden capture of layer " + std::to_string(capture->layers[j]) + ": the model has layers 0.." +
+                        std::to_string(c.n_layers - 1));
+    }
+    if (argmax) SPECD_CHECK(head == Head::All, "argmax needs every row's logits");
+    SPECD_GPU_CHECK(gpuSetDevice(index_));
+    reserve(n, kv.n_ctx());
+    const bool small = n <= gpu::kMaxSmallBatch;
+    const int64_t nv = c.n_vocab, head_rows = head == Head::All ? n : 1;
+    float* logits = nullptr;
+    if (head != Head::None) {
+      if (small) {
+        logits = kv.logits(head_rows, nv);
+      } else {
+        const size_t need = sizeof(float) * (size_t)(head_rows * nv);
+        if (need > big_logits_.size()) big_logits_.resize(need);
+        logits = big_logits_.get<float>();
+      }
+    }
+    // inputs: position and tokens, in one copy from pinned memory
+    staging_.host[0] = (int32_t)pos0;
+    std::memcpy(staging_.host + 1, tokens, sizeof(int32_t) * (size_t)n);
+    SPECD_GPU_CHECK(gpuMemcpyAsync(pos_.get(), staging_.host, sizeof(int32_t), gpuMemcpyHostToDevice, stream_));
+    SPECD_GPU_CHECK(gpuMemcpyAsync(tokens_.get(), staging_.host + 1, sizeof(int32_t) * (size_t)n,
+                                   gpuMemcpyHostToDevice, stream_));
+    kv.device_rows = 0;
+    if (small && capture == nullptr && graphs_enabled_) {
+      const int64_t key = n * 4 + (int64_t)head;
+      GpuKv::Graph& g = kv.graphs[key];
+      if (g.exec == nullptr || g.epoch != epoch_) {
+        if (g.exec) (void)gpuGraphExecDestroy(g.exec);
+        g.exec = nullptr;
+        gpuGraph_t graph;
+        SPECD_GPU_CHECK(gpuStreamBeginCapture(stream_, gpuStreamCaptureModeThreadLocal));
+        try {
+          enqueue(kv, n, head, logits, nullptr, head == Head::All);
+        } catch (...) {
+          (void)gpuStreamEndCapture(stream_, &graph);
+          (void)gpuGetLastError();
+          throw;
+        }
+        SPECD_GPU_CHECK(gpuStreamEndCapture(stream_, &graph));
+        const gpuError_t e = gpuGraphInstantiate(&g.exec, graph);
+        (void)gpuGraphDestroy(graph);
+        SPECD_GPU_CHECK(e);
+        g.epoch = epoch_;
+      }
+      SPECD_GPU_CHECK(gpuGraphLaunch(g.exec, stream_));
+    } else {
+      enqueue(kv, n, head, logits, capture, head == Head::All);
+    }
+    if (small && head != Head::None) kv.device_rows = head_rows;
+    return logits;
+  }
+
+  // The forward's launches (captured into a graph for small n).
+  void enqueue(GpuKv& kv, int64_t n, Head head, float* logits, const HiddenCapture* capture, bool argmax) const {
+    const ModelConfig& c = config();
+    const int64_t dim = c.dim, hd = c.head_dim, q_dim = (int64_t)c.n_heads * hd, kvd = kv_dim();
+    const int64_t qkv_ld = q_dim + 2 * kvd;
+    const bool small = n <= gpu::kMaxSmallBatch;
+    const float eps = c.norm_eps;
+    gpuStream_t s = stream_;
+    float *h = h_.get<float>(), *xn = xn_.get<float>(), *qkv = qkv_.get<float>(), *att = att_.get<float>();
+    float *act = act_.get<float>(), *q = q_.get<float>();
+    const int32_t* d_pos = pos_.get<int32_t>();
+
+    gpu::embed_rows(tok_embd_, tokens_.get<int32_t>(), n, h, s);
+    for (int32_t l = 0; l < c.n_layers; ++l) {
+      const GpuLayer& L = layers_[(size_t)l];
+      // ---- attention block
+      gpu::LinearArgs a;
+      a.w[0] = &L.wq;
+      a.w[1] = &L.wk;
+      a.w[2] = &L.wv;
+      a.n_w = 3;
+      a.bias[0] = L.bq;
+      a.bias[1] = L.bk;
+      a.bias[2] = L.bv;
+      a.n = n;
+      a.y = qkv;
+      a.ldy = qkv_ld;
+      if (small) {
+        a.x = h;
+        a.norm_w = L.attn_norm;
+        a.eps = eps;
+      } else {
+        gpu::rmsnorm(h, L.attn_norm, xn, n, dim, eps, s);
+        a.x = xn;
+      }
+      gpu::linear(a, s);
+
+      gpu::RopeKvArgs r;
+      r.qkv = qkv;
+      r.ld_qkv = qkv_ld;
+      r.n = n;
+      r.d_pos0 = d_pos;
+      r.n_heads = c.n_heads;
+      r.n_kv_heads = c.n_kv_heads;
+      r.head_dim = c.head_dim;
+      r.q_norm = L.q_norm;
+      r.k_norm = L.k_norm;
+      r.eps = eps;
+      r.rope = rope_;
+      r.k_cache = kv.k(l);
+      r.v_cache = kv.v(l);
+      r.kv_f16 = kv.f16();
+      r.n_ctx = kv.n_ctx();
+      gpu::rope_kv(r, s);
+
+      const float* qrows = qkv;  // one row: q is the row's first q_dim floats
+      if (n > 1) {
+        SPECD_GPU_CHECK(cudaMemcpy2DAsync_compat(q, q_dim, qkv, qkv_ld, q_dim, n, s));
+        qrows = q;
+      }
+      gpu::AttnArgs at;
+      at.q = qrows;
+      at.k_cache = kv.k(l);
+      at.v_cache = kv.v(l);
+      at.kv_f16 = kv.f16();
+      at.n_ctx = kv.n_ctx();
+      at.n = n;
+      at.d_pos0 = d_pos;
+      at.n_heads = c.n_heads;
+      at.n_kv_heads = c.n_kv_heads;
+      at.head_dim = c.head_dim;
+      at.scale = 1.0f / std::sqrt((float)hd);
+      at.out = att;
+      at.work = work_.get();
+      gpu::attention(at, s);
+
+      gpu::LinearArgs o;
+      o.w[0] = &L.wo;
+      o.x = att;
+      o.n = n;
+      o.y = h;
+      o.ldy = dim;
+      o.ep = gpu::Epilogue::Accumulate;
+      gpu::linear(o, s);
+
+      // ---- FFN block
+      gpu::LinearArgs f;
+      f.w[0] = &L.w_gate;
+      f.w[1] = &L.w_up;
+      f.n_w = 2;
+      f.n = n;
+      f.y = act;
+      f.ldy = c.ffn_dim;
+      f.ep = gpu::Epilogue::SwiGLU;
+      if (small) {
+        f.x = h;
+        f.norm_w = L.ffn_norm;
+        f.eps = eps;
+      } else {
+        gpu::rmsnorm(h, L.ffn_norm, xn, n, dim, eps, s);
+        f.x = xn;
+      }
+      gpu::linear(f, s);
+
+      gpu::LinearArgs d;
+      d.w[0] = &L.w_down;
+      d.x = act;
+      d.n = n;
+      d.y = h;
+      d.ldy = dim;
+      d.ep = gpu::Epilogue::Accumulate;
+      gpu::linear(d, s);
+
+      if (capture) {  // h after block l -> out[i, j] for every j with layers[j] == l
+        const int32_t nc = capture->n_layers;
+        for (int32_t j = 0; j < nc; ++j) {
+          if (capture->layers[j] != l) continue;
+          SPECD_GPU_CHECK(cudaMemcpy2DAsync_compat(capture->out + j * dim, nc * dim, h, dim, dim, n, s,
+                                                   /*to_host=*/true));
+        }
+      }
+    }
+    if (head == Head::None) return;
+    const int64_t rows = head == Head::All ? n : 1;
+    const float* hx = head == Head::All ? h : h + (n - 1) * dim;
+    gpu::LinearArgs out;
+    out.w[0] = &output_;
+    out.n = rows;
+    out.y = logits;
+    out.ldy = c.n_vocab;
+    if (rows <= gpu::kMaxSmallBatch) {
+      out.x = hx;
+      out.norm_w = output_norm_;
+      out.eps = eps;
+    } else {
+      gpu::rmsnorm(hx, output_norm_, xn, rows, dim, eps, s);
+      out.x = xn;
+    }
+    gpu::linear(out, s);
+    if (argmax) gpu::argmax_rows(logits, rows, c.n_vocab, tops_.get<int32_t>(), s);
+  }
+
+  // Strided row copy (rows of `width` floats) on the stream, device->device or to the host.
+  static gpuError_t cudaMemcpy2DAsync_compat(float* dst, int64_t dst_ld, const float* src, int64_t src_ld,
+                                             int64_t width, int64_t rows, gpuStream_t s, bool to_host = false) {
+#if SPECD_HIP
+    return hipMemcpy2DAsync(dst, sizeof(float) * (size_t)dst_ld, src, sizeof(float) * (size_t)src_ld,
+                            sizeof(float) * (size_t)width, (size_t)rows,
+                            to_host ? hipMemcpyDeviceToHost : hipMemcpyDeviceToDevice, s);
+#else
+    return cudaMemcpy2DAsync(dst, sizeof(float) * (size_t)dst_ld, src, sizeof(float) * (size_t)src_ld,
+                             sizeof(float) * (size_t)width, (size_t)rows,
+                             to_host ? cudaMemcpyDeviceToHost : cudaMemcpyDeviceToDevice, s);
+#endif
+  }
+
+  Model host_;  // resolved and checked host views (the memmapped file)
+  int index_;
+  gpu::DeviceInfo info_;
+  gpuStream_t stream_ = nullptr;
+  DeviceBuffer arena_;  // every weight and vector
+  size_t weights_bytes_ = 0;
+  GpuWeight tok_embd_, output_;
+  const float* output_norm_ = nullptr;
+  RopeParams rope_;
+  std::vector<GpuLayer> layers_;
+  bool graphs_enabled_ = true;
+  // scratch (grown on demand; forward() is not re-entrant: the engine serialises calls)
+  mutable DeviceBuffer h_, xn_, qkv_, q_, att_, act_, work_, big_logits_, tokens_, tops_, pos_;
+  mutable Staging staging_;
+  mutable uint64_t epoch_ = 1;
+};
+
+}  // namespace
+
+std::unique_ptr<ForwardModel> make_gpu_model(const ModelConfig& cfg, const std::vector<TensorRef>& tensors,
+                                             int device_index) {
+  return std::make_unique<GpuModel>(cfg, tensors, device_index);
+}
+
+}  // namespace specd

@@ -1,0 +1,57 @@
+// specd/cuda/linear.cuh: y = x W^T for stored (possibly quantized) GGUF weights, every type
+// the CPU backend supports (F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q4_K Q5_K Q6_K), and the
+// token-embedding lookup. Implemented in matvec.cu (n <= kMaxSmallBatch) and matmul.cu
+// (n > kMaxSmallBatch, tensor cores); the block decoders are in quants.cuh.
+//
+// Two paths, chosen by n (rows of x):
+//  * n <= kMaxSmallBatch (decode, speculative verify): float32 activations and accumulation,
+//    and BATCH-INVARIANT: row r of y is bit-identical whatever n is and whatever the other
+//    rows hold (each row's dot products use the same lane mapping and reduction order).
+//    Lossless speculation needs this: verifying k+1 positions must give the logits one
+//    decode step gives.
+//  * n > kMaxSmallBatch (prefill): tiles of W are decoded to fp16 in shared memory and
+//    multiplied on tensor cores (wmma, fp16 x fp16 -> fp32 accumulate; the FMA fallback of
+//    the same tiling on HIP). Activations are rounded to fp16 (relative error ~1e-3).
+#pragma once
+#include <cstdint>
+
+#include "cuda/common.cuh"
+
+namespace specd {
+namespace gpu {
+
+constexpr int64_t kMaxSmallBatch = 64;
+
+enum class Epilogue : int32_t {
+  Store = 0,       // y[r, off_j + o] = dot(W_j[o], x_r) + bias_j[o]    (off_j = rows of W_0..W_{j-1})
+  Accumulate = 1,  // y[r, o] += dot(W_0[o], x_r) + bias_0[o]           (n_w == 1; the residual add)
+  SwiGLU = 2,      // y[r, o] = silu(g) * u, g = dot(W_0[o], x_r) + b_0[o], u = dot(W_1[o], x_r) + b_1[o]
+                   //           (n_w == 2, W_0 = gate, W_1 = up, same shape; silu(g) = g / (1 + exp(-g)))
+};
+
+struct LinearArgs {
+  const GpuWeight* w[3] = {nullptr, nullptr, nullptr};  // 1..3 weights, all with the same n_in (K)
+  int32_t n_w = 1;
+  const float* bias[3] = {nullptr, nullptr, nullptr};   // optional, device, [w[j]->n_out]
+  const float* x = nullptr;      // device [n, K] row-major (row stride K)
+  int64_t n = 1;                 // rows, >= 1
+  // Optional fused input RMSNorm (small path only; throws Error for n > kMaxSmallBatch):
+  // x_r is replaced by x_r[i] * inv_r * norm_w[i], inv_r = 1 / sqrt(mean_i(x_r[i]^2) + eps).
+  const float* norm_w = nullptr;  // device [K]
+  float eps = 0.f;
+  float* y = nullptr;            // device [n, ldy]; must not overlap x
+  int64_t ldy = 0;               // >= total output columns of the epilogue
+  Epilogue ep = Epilogue::Store;
+};
+
+// Validates the arguments (throws Error naming the problem) and launches on `s`.
+// Launch shapes depend only on (n, weight shapes, types), so the call can be captured in a
+// graph.
+void linear(const LinearArgs& a, gpuStream_t s);
+
+// out[i, :] = dequantized row tokens[i] of w (n_in floats), i < n. Tokens are read on the
+// device (d_tokens is a device pointer) and must be in [0, w.n_out).
+void embed_rows(const GpuWeight& w, const int32_t* d_tokens, int64_t n, float* out, gpuStream_t s);
+
+}  // namespace gpu
+}  // namespace specd

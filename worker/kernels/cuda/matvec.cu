@@ -1,0 +1,628 @@
+// specd/cuda/matvec.cu: linear() for n <= kMaxSmallBatch rows of x (decode, speculative
+// verify), the argument checks and path choice of linear(), embed_rows, and the testing
+// entry points of both (cuda/testing.h).
+//
+// Maths: y[r, o] = sum_k W[o, k] * x[r, k], float32 activations and accumulation, then
+// bias and epilogue (cuda/linear.cuh). Fused RMSNorm: sum_k W[o,k] (x[r,k] inv_r nw[k]) is
+// computed as inv_r * sum_k (W[o,k] nw[k]) x[r,k], so the norm weight is applied once per
+// weight element and shared by all rows of x.
+//
+// Launch: 256 threads = 8 groups of 32 lanes; grid.x = CTAs over (weight, block of rows),
+// grid.y = tiles of NR rows of x (NR = 1, 2 or 4 by n). Each group owns 1 or 2 weight rows
+// (RPG) and streams their bytes through its own part of shared memory, 1024 elements (512
+// for F16/BF16, 256 for F32) per stage, with 16-byte coalesced copies (cp.async on sm_80+, 3 stages,
+// two in flight while one is read); groups never wait for each other in the K loop.
+//
+// Batch invariance: in every stage, lane l of a group owns pieces l, l+32, l+64, l+96 (8
+// weights each, quants.cuh) and accumulates them in that order into 2 partial sums (one per
+// run of 4), which the group adds as (p0 + p1) and reduces with a fixed butterfly. A row's operation sequence depends only on its weights and K (and the
+// stage size, fixed by the weight types of the call): not on n, NR, the tile, the other rows
+// or RPG. So row r of y is bit-identical whatever else is computed with it. The RMSNorm
+// factor of a row is a fixed-order reduction over the whole CTA, the same in every CTA.
+#include <algorithm>
+#include <mutex>
+#include <string>
+
+#include "cuda/linear.cuh"
+#include "cuda/quants.cuh"
+#include "cuda/testing.h"
+
+#if !SPECD_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define SPECD_CP_ASYNC 1
+#else
+#define SPECD_CP_ASYNC 0
+#endif
+
+namespace specd {
+namespace gpu {
+
+void matmul_large(const LinearArgs& a, gpuStream_t s);  // matmul.cu: n > kMaxSmallBatch
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / kGroup;  // groups per CTA
+constexpr int kStages = 3;                 // staged buffers (2 copies in flight while one is read)
+constexpr int kMaxSlots = 2 * kWarps;      // staged weight rows per CTA
+
+// Staging geometry: K elements per stage (one launch uses one value: 1024, or 512 / 256 when
+// a float type is present so that a stage of a row stays near 1 KiB), bytes of one row per
+// stage, and the shared-memory pitch of a row (one spare 16-byte chunk: a copy starts at the
+// 16-byte boundary below the row's bytes).
+constexpr int stage_elems_for(GgmlType t) {
+  return t == GgmlType::F32 ? 256 : (t == GgmlType::F16 || t == GgmlType::BF16) ? 512 : 1024;
+}
+constexpr int stage_pitch(GgmlType t, int elems) { return 16 * ((elems / block_elems(t) * block_bytes(t) + 15) / 16 + 1); }
+constexpr int max_pitch() {
+  int m = 0;
+  for (GgmlType t : {GgmlType::F32, GgmlType::F16, GgmlType::BF16, GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1,
+                     GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K})
+    m = std::max(m, stage_pitch(t, stage_elems_for(t)));  // (a launch's stage is at most its types' own)
+  return m;
+}
+constexpr size_t kMaxSmem = (size_t)kStages * kMaxSlots * max_pitch();  // 52 KiB (Q8_0)
+
+// ---- asynchronous 16-byte copies global -> shared (plain copies where cp.async is absent)
+
+__device__ __forceinline__ void cp16(uint8_t* dst, const uint8_t* src, int bytes) {
+#if SPECD_CP_ASYNC
+  // bytes < 16 only at the very end of a weight: the rest of the chunk is zero-filled.
+  const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(bytes));
+#else
+  if (bytes == 16) {
+    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+  } else {
+    for (int i = 0; i < bytes; ++i) dst[i] = src[i];
+  }
+#endif
+}
+__device__ __forceinline__ void cp_commit() {
+#if SPECD_CP_ASYNC
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+template <int N>
+__device__ __forceinline__ void cp_wait() {  // this thread's copies but the newest N groups are done
+#if SPECD_CP_ASYNC
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
+}
+
+__device__ __forceinline__ float4 ldg4(const float* p) { return __ldg(reinterpret_cast<const float4*>(p)); }
+
+// ---- kernel parameters
+
+struct MvWeight {
+  const uint8_t* data = nullptr;
+  const uint8_t* end = nullptr;  // data + n_out * stride: copies never read past it
+  size_t stride = 0;
+  int64_t n_out = 0;
+  const float* bias = nullptr;   // [n_out] or null
+  int64_t col = 0;               // first column of y (Store)
+  int32_t cta0 = 0;              // first blockIdx.x of this weight
+  int32_t stage_bytes = 0;       // bytes of one row per full stage
+  int32_t last_bytes = 0;        // ... in the last stage
+  GgmlType type = GgmlType::F32;
+};
+
+struct MvParams {
+  MvWeight w[3];
+  int32_t n_w = 1;
+  Epilogue ep = Epilogue::Store;
+  const float* x = nullptr;       // [n, K]
+  const float* norm_w = nullptr;  // [K] or null
+  float eps = 0.f;
+  float* y = nullptr;             // [n, ldy]
+  int64_t ldy = 0, n = 0, K = 0;
+  int32_t stage_elems = 1024;     // K elements per stage
+  int32_t pitch = 0;              // shared bytes per staged row
+};
+
+// A group's staged row: where its bytes come from and how many per stage.
+struct GroupRow {
+  const uint8_t* src;  // the row
+  const uint8_t* end;  // end of the weight
+  int32_t sb, lb;      // bytes per full / last stage
+  GgmlType type;
+};
+
+// Copies stage st of row g into dst (the 16-byte aligned chunks covering it; the row's
+// misalignment mod 16 is kept), lanes over chunks.
+__device__ __forceinline__ void stage_copy(const GroupRow& g, int st, bool last, uint8_t* dst, int lane) {
+  const uint8_t* start = g.src + (size_t)st * g.sb;
+  const uint8_t* a = reinterpret_cast<const uint8_t*>((uintptr_t)start & ~(uintptr_t)15);
+  const int n_chunks = (int)(((uintptr_t)start & 15) + (last ? g.lb : g.sb) + 15) >> 4;
+  for (int c = lane; c < n_chunks; c += kGroup) {
+    const uint8_t* src = a + 16 * c;
+    const int64_t left = g.end - src;
+    cp16(dst + 16 * c, src, left >= 16 ? 16 : (int)left);
+  }
+}
+
+// Orders the group's shared-memory traffic (copies landed, buffers free) between stages.
+__device__ __forceinline__ void group_sync() {
+#if SPECD_HIP
+  __syncthreads();  // (every group runs the same number of stages)
+#else
+  __syncwarp();
+#endif
+}
+
+__device__ __forceinline__ void load8(const float* p, int gap, float (&v)[8]) {
+  const float4 a = ldg4(p), b = ldg4(p + gap);
+  v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+  v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+}
+
+// acc[h] += one piece's products with x (run h): s_h * (q.x) for Scaled, w.x otherwise.
+template <bool kScaled>
+__device__ __forceinline__ void piece_dot(const float (&w)[8], const float (&s)[2], const float (&x)[8],
+                                          float (&acc)[2]) {
+  if constexpr (kScaled) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float t = w[4 * h] * x[4 * h];
+      t = fmaf(w[4 * h + 1], x[4 * h + 1], t);
+      t = fmaf(w[4 * h + 2], x[4 * h + 2], t);
+      t = fmaf(w[4 * h + 3], x[4 * h + 3], t);
+      acc[h] = fmaf(s[h], t, acc[h]);
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e >> 2] = fmaf(w[e], x[e], acc[e >> 2]);
+  }
+}
+
+// Pieces lane, lane+32, lane+64, lane+96 (< n_pc) of one stage (K elements k0..) of the
+// group's RPG staged rows, all of type T, times NR rows of x.
+template <GgmlType T, int NR, int RPG>
+__device__ __forceinline__ void stage_dot(const MvParams& p, const uint8_t* const (&base)[RPG], int n_pc, int64_t k0,
+                                          const int32_t (&xoff)[NR], float (&acc)[RPG][NR][2], int lane) {
+  using D = Dec<T>;
+  constexpr bool kScaled = D::kForm == Form::Scaled;
+  constexpr int kUnroll = NR * RPG >= 4 ? 1 : 4 / (NR * RPG);  // loads of several pieces in flight
+#pragma unroll kUnroll
+  for (int i = 0; i < 1024 / 8 / kGroup; ++i) {
+    const int pi = lane + kGroup * i;
+    if (pi >= n_pc) break;
+    const int blk = pi / D::kPieces, sub = pi % D::kPieces;
+    const int64_t k = k0 + blk * D::kElems + D::pos(sub);
+    float w[RPG][8], s[RPG][2];  // Scaled: q and the run scales; else the exact weights
+#pragma unroll
+    for (int rr = 0; rr < RPG; ++rr) {
+      Piece pc;
+      D::load(base[rr] + blk * D::kBytes, sub, pc);
+      if constexpr (kScaled) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) w[rr][e] = pc.q[e];
+        s[rr][0] = pc.s[0];
+        s[rr][1] = pc.s[1];
+      } else {
+        dequant<D::kForm>(pc, w[rr]);
+        s[rr][0] = s[rr][1] = 1.f;
+      }
+    }
+    if (p.norm_w != nullptr) {  // w <- w * nw (the norm weight, once per weight)
+      float nw[8];
+      load8(p.norm_w + k, D::kGap, nw);
+#pragma unroll
+      for (int rr = 0; rr < RPG; ++rr)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) w[rr][e] *= nw[e];
+    }
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {
+      float xv[8];
+      load8(p.x + xoff[r] + k, D::kGap, xv);
+#pragma unroll
+      for (int rr = 0; rr < RPG; ++rr) piece_dot<kScaled>(w[rr], s[rr], xv, acc[rr][r]);
+    }
+  }
+}
+
+// The same for a group whose two rows have different types (SwiGLU of two types): each row
+// on its own, with the arithmetic of stage_dot (so each row's result is the same as there).
+template <int NR>
+__device__ __forceinline__ void stage_dot_mixed(const MvParams& p, const GgmlType (&type)[2],
+                                                const uint8_t* const (&base)[2], int n_pc, int64_t k0,
+                                                const int32_t (&xoff)[NR], float (&acc)[2][NR][2], int lane) {
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    const uint8_t* const b1[1] = {base[rr]};
+    float a1[1][NR][2];
+#pragma unroll
+    for (int r = 0; r < NR; ++r) a1[0][r][0] = acc[rr][r][0], a1[0][r][1] = acc[rr][r][1];
+    with_type(type[rr], [&](auto tag) { stage_dot<decltype(tag)::value, NR, 1>(p, b1, n_pc, k0, xoff, a1, lane); });
+#pragma unroll
+    for (int r = 0; r < NR; ++r) acc[rr][r][0] = a1[0][r][0], acc[rr][r][1] = a1[0][r][1];
+  }
+}
+
+// RPG weight rows per group (8*RPG staged rows per CTA) times NR rows of x.
+// Store/Accumulate: group g has rows o0 + RPG*g + rr of one weight. SwiGLU (RPG = 2): gate
+// row o0 + g (rr = 0) and up row o0 + g (rr = 1).
+// Each group streams its own rows through its own part of shared memory (kStages buffers
+// per row), so the groups never wait for each other inside the K loop.
+template <int NR, int RPG>
+__global__ void __launch_bounds__(kThreads, NR * RPG == 1 ? 4 : NR == 1 ? 3 : NR * RPG >= 8 ? 1 : 2) matvec_kernel(const MvParams p) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ float red[kGroup];
+  __shared__ float inv[NR];  // fused RMSNorm factor of each row (1 without the norm)
+  const int lane = threadIdx.x % kGroup, warp = threadIdx.x / kGroup;
+  const int64_t K = p.K, row0 = (int64_t)blockIdx.y * NR;
+  const bool swiglu = p.ep == Epilogue::SwiGLU;
+  int32_t xoff[NR];  // x row offsets; rows past n repeat row n-1, their results are dropped
+#pragma unroll
+  for (int r = 0; r < NR; ++r) xoff[r] = (int32_t)(min(row0 + r, p.n - 1) * K);
+
+  // inv_r = 1/sqrt(mean(x_r^2) + eps): one fixed-order CTA reduction per row, the same in
+  // every CTA and for every n
+#pragma unroll
+  for (int r = 0; r < NR; ++r) {
+    float v = 1.f;
+    if (p.norm_w != nullptr) {
+      const float* xr = p.x + xoff[r];
+      float ss = 0.f;
+      for (int64_t k = threadIdx.x; k < K; k += kThreads) ss = fmaf(xr[k], xr[k], ss);
+      ss = block_sum(ss, red);
+      v = rsqrtf(ss / (float)K + p.eps);
+    }
+    if (threadIdx.x == 0) inv[r] = v;
+  }
+
+  // this group's rows
+  MvWeight w0 = p.w[0];
+  int64_t o_first;  // output row of rr = 0
+  if (swiglu) {
+    o_first = (int64_t)blockIdx.x * kWarps + warp;
+  } else {
+    if (p.n_w > 1 && (int)blockIdx.x >= p.w[1].cta0) w0 = p.w[1];
+    if (p.n_w > 2 && (int)blockIdx.x >= p.w[2].cta0) w0 = p.w[2];
+    o_first = (int64_t)(blockIdx.x - w0.cta0) * kWarps * RPG + (int64_t)warp * RPG;
+  }
+  GroupRow gr[RPG];
+  GgmlType type[RPG];
+#pragma unroll
+  for (int rr = 0; rr < RPG; ++rr) {
+    MvWeight w = w0;
+    if (swiglu && rr == 1) w = p.w[1];
+    const int64_t o = min(swiglu ? o_first : o_first + rr, w.n_out - 1);  // clamped; dropped at the end
+    gr[rr] = GroupRow{w.data + (size_t)o * w.stride, w.end, w.stage_bytes, w.last_bytes, w.type};
+    type[rr] = w.type;
+  }
+  const int se = p.stage_elems, pitch = p.pitch;
+  const int n_st = (int)((K + se - 1) / se);
+  uint8_t* mine = smem + (size_t)warp * RPG * kStages * pitch;  // [RPG][kStages][pitch]
+  auto issue = [&](int st) {
+    if (st < n_st) {
+#pragma unroll
+      for (int rr = 0; rr < RPG; ++rr)
+        stage_copy(gr[rr], st, st == n_st - 1, mine + (rr * kStages + st % kStages) * pitch, lane);
+    }
+    cp_commit();  // (an empty group past the end keeps the count uniform)
+  };
+
+  float acc[RPG][NR][2];
+#pragma unroll
+  for (int rr = 0; rr < RPG; ++rr)
+#pragma unroll
+    for (int r = 0; r < NR; ++r) acc[rr][r][0] = acc[rr][r][1] = 0.f;
+  const bool mixed = RPG == 2 && type[0] != type[RPG - 1];
+
+#pragma unroll
+  for (int st = 0; st < kStages - 1; ++st) issue(st);
+  for (int st = 0; st < n_st; ++st) {
+    cp_wait<kStages - 2>();  // stage st has landed (this lane's copies)
+    group_sync();            // ... everyone's; and buffer (st-1) % kStages is free again
+    issue(st + kStages - 1);
+    const int64_t k0 = (int64_t)st * se;
+    const int n_pc = (int)(min((int64_t)se, K - k0) / 8);  // pieces in this stage
+    const uint8_t* base[RPG];
+#pragma unroll
+    for (int rr = 0; rr < RPG; ++rr)
+      base[rr] = mine + (rr * kStages + st % kStages) * pitch + ((uintptr_t)(gr[rr].src + (size_t)st * gr[rr].sb) & 15);
+    if constexpr (RPG == 2) {
+      if (mixed) {
+        stage_dot_mixed<NR>(p, type, base, n_pc, k0, xoff, acc, lane);
+        continue;
+      }
+    }
+    with_type(type[0], [&](auto tag) { stage_dot<decltype(tag)::value, NR, RPG>(p, base, n_pc, k0, xoff, acc, lane); });
+  }
+  cp_wait<0>();
+  __syncthreads();  // inv[] is visible (written before this barrier)
+
+  // ---- reduce over the group, epilogue (one lane per value)
+#pragma unroll
+  for (int rr = 0; rr < RPG; ++rr)
+#pragma unroll
+    for (int r = 0; r < NR; ++r) acc[rr][r][0] = group_sum(acc[rr][r][0] + acc[rr][r][1]) * inv[r];
+#pragma unroll
+  for (int rr = 0; rr < RPG; ++rr)
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {
+      if (lane != rr * NR + r || row0 + r >= p.n) continue;
+      float* yr = p.y + (row0 + r) * p.ldy;
+      if (swiglu) {
+        const int64_t o = o_first;
+        if constexpr (RPG == 2) {
+          if (rr != 0 || o >= p.w[0].n_out) continue;
+          float g = acc[0][r][0], u = acc[1][r][0];
+          if (p.w[0].bias) g += p.w[0].bias[o];
+          if (p.w[1].bias) u += p.w[1].bias[o];
+          yr[o] = g / (1.f + __expf(-g)) * u;
+        }
+      } else {
+        const int64_t o = o_first + rr;
+        if (o >= w0.n_out) continue;
+        float v = acc[rr][r][0];
+        if (w0.bias) v += w0.bias[o];
+        if (p.ep == Epilogue::Accumulate) yr[w0.col + o] += v;
+        else yr[w0.col + o] = v;
+      }
+    }
+}
+
+// ---- embed_rows: out[i, :] = dequantized row tokens[i]; one CTA per token, one piece per
+// thread at a time, read straight from global memory.
+
+template <GgmlType T>
+__device__ __forceinline__ void embed_row(const GpuWeight& w, int64_t tok, float* out) {
+  using D = Dec<T>;
+  const uint8_t* row = w.data + (size_t)tok * w.row_stride;
+  for (int64_t q = threadIdx.x; q < w.n_in / 8; q += blockDim.x) {
+    const int64_t blk = q / D::kPieces;
+    const int sub = (int)(q % D::kPieces);
+    Piece pc;
+    D::load(row + blk * D::kBytes, sub, pc);
+    float v[8];
+    dequant<D::kForm>(pc, v);
+    float* o = out + blk * D::kElems + D::pos(sub);
+    *reinterpret_cast<float4*>(o) = make_float4(v[0], v[1], v[2], v[3]);
+    *reinterpret_cast<float4*>(o + D::kGap) = make_float4(v[4], v[5], v[6], v[7]);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) embed_kernel(const GpuWeight w, const int32_t* tokens, float* out) {
+  const int64_t i = blockIdx.x;
+  const int32_t tok = tokens[i];
+  float* o = out + i * w.n_in;
+  if (tok < 0 || tok >= w.n_out) {  // invalid token id: a NaN row (visible, never a wild read)
+    for (int64_t k = threadIdx.x; k < w.n_in; k += blockDim.x) o[k] = __int_as_float(0x7fc00000);
+    return;
+  }
+  with_type(w.type, [&](auto tag) { embed_row<decltype(tag)::value>(w, tok, o); });
+}
+
+// ---- host side
+
+std::string type_name(GgmlType t) {
+  return type_supported((int32_t)t) ? type_traits((int32_t)t).name : "id " + std::to_string((int)t);
+}
+
+// Checks one weight for the GPU readers; `what` names it in messages.
+void check_weight(const GpuWeight* w, const std::string& what) {
+  SPECD_CHECK(w != nullptr && w->data != nullptr, what + " is null");
+  SPECD_CHECK(gpu_type_supported(w->type),
+              what + " has type " + type_name(w->type) + ", which the GPU backend cannot decode (supported: " +
+                  supported_type_names() + ")");
+  const std::string tn = type_name(w->type);
+  SPECD_CHECK(w->n_in >= 1 && w->n_out >= 1, what + " has an empty shape [" + std::to_string(w->n_out) + ", " +
+                                                 std::to_string(w->n_in) + "]");
+  SPECD_CHECK(w->n_in % block_elems(w->type) == 0,
+              what + ": n_in = " + std::to_string(w->n_in) + " is not a multiple of " +
+                  std::to_string(block_elems(w->type)) + " (" + tn +
+                  (block_elems(w->type) == 8 ? " rows are read 8 elements at a time on the GPU)" : " block size)"));
+  const size_t rb = (size_t)(w->n_in / block_elems(w->type)) * block_bytes(w->type);
+  SPECD_CHECK(w->row_stride >= rb, what + ": row_stride " + std::to_string(w->row_stride) + " < row bytes " +
+                                       std::to_string(rb));
+  SPECD_CHECK((uintptr_t)w->data % 16 == 0 && w->row_stride % row_align(w->type) == 0,
+              what + ": the data must be 16-byte aligned and rows " + std::to_string(row_align(w->type)) +
+                  "-byte aligned for " + tn + " (got data % 16 = " + std::to_string((uintptr_t)w->data % 16) +
+                  ", row_stride " + std::to_string(w->row_stride) + ")");
+}
+
+void check_linear(const LinearArgs& a) {
+  const int ep = (int)a.ep;
+  SPECD_CHECK(ep >= 0 && ep <= 2, "linear: unknown epilogue " + std::to_string(ep) +
+                                      " (0 = Store, 1 = Accumulate, 2 = SwiGLU)");
+  SPECD_CHECK(a.n >= 1, "linear: n (rows of x) must be >= 1, got " + std::to_string(a.n));
+  SPECD_CHECK(a.n_w >= 1 && a.n_w <= 3, "linear: takes 1..3 weights, got " + std::to_string(a.n_w));
+  for (int j = 0; j < a.n_w; ++j) check_weight(a.w[j], "linear: weight " + std::to_string(j));
+  const int64_t K = a.w[0]->n_in;
+  for (int j = 1; j < a.n_w; ++j)
+    SPECD_CHECK(a.w[j]->n_in == K, "linear: all weights need the same n_in; weight " + std::to_string(j) +
+                                       " has " + std::to_string(a.w[j]->n_in) + ", weight 0 has " + std::to_string(K));
+  if (a.ep == Epilogue::Accumulate)
+    SPECD_CHECK(a.n_w == 1, "linear: Accumulate (y += x W^T) takes exactly 1 weight, got " + std::to_string(a.n_w));
+  if (a.ep == Epilogue::SwiGLU) {
+    SPECD_CHECK(a.n_w == 2, "linear: SwiGLU takes exactly 2 weights (gate, up), got " + std::to_string(a.n_w));
+    SPECD_CHECK(a.w[0]->n_out == a.w[1]->n_out, "linear: SwiGLU gate and up need the same shape; n_out " +
+                                                    std::to_string(a.w[0]->n_out) + " vs " +
+                                                    std::to_string(a.w[1]->n_out));
+  }
+  SPECD_CHECK(a.x != nullptr && a.y != nullptr, "linear: x and y must be device pointers, got null");
+  SPECD_CHECK((uintptr_t)a.x % 16 == 0, "linear: x must be 16-byte aligned (rows are read as float4)");
+  int64_t cols = a.w[0]->n_out;
+  if (a.ep == Epilogue::Store)
+    for (int j = 1; j < a.n_w; ++j) cols += a.w[j]->n_out;
+  SPECD_CHECK(a.ldy >= cols, "linear: ldy = " + std::to_string(a.ldy) + " is smaller than the " +
+                                 std::to_string(cols) + " output columns");
+  SPECD_CHECK(a.norm_w == nullptr || a.n <= kMaxSmallBatch,
+              "linear: the fused RMSNorm (norm_w) is only available for n <= " + std::to_string(kMaxSmallBatch) +
+                  " rows, got n = " + std::to_string(a.n) + "; apply rmsnorm() first for larger batches");
+  SPECD_CHECK(a.norm_w == nullptr || (uintptr_t)a.norm_w % 16 == 0, "linear: norm_w must be 16-byte aligned");
+  const uintptr_t x0 = (uintptr_t)a.x, x1 = (uintptr_t)(a.x + a.n * K);
+  const uintptr_t y0 = (uintptr_t)a.y, y1 = (uintptr_t)(a.y + (a.n - 1) * a.ldy + cols);
+  SPECD_CHECK(x1 <= y0 || y1 <= x0, "linear: y must not overlap x");
+}
+
+template <int NR, int RPG>
+void launch_matvec(const MvParams& p, int ctas, size_t smem, gpuStream_t s) {
+  static std::once_flag once;  // allow the largest staging buffer once per kernel
+  std::call_once(once, [] {
+    SPECD_GPU_CHECK(gpuFuncSetAttribute((matvec_kernel<NR, RPG>), gpuFuncAttributeMaxDynamicSharedMemorySize,
+                                        (int)kMaxSmem));
+  });
+  const dim3 grid((unsigned)ctas, (unsigned)ceil_div(p.n, NR));
+  matvec_kernel<NR, RPG><<<grid, kThreads, smem, s>>>(p);
+  SPECD_GPU_LAUNCHED("matvec_kernel");
+}
+
+template <int NR>
+void launch_matvec(const MvParams& p, int rpg, int ctas, size_t smem, gpuStream_t s) {
+  if (rpg == 2) launch_matvec<NR, 2>(p, ctas, smem, s);
+  else launch_matvec<NR, 1>(p, ctas, smem, s);
+}
+
+}  // namespace
+
+void linear(const LinearArgs& a, gpuStream_t s) {
+  check_linear(a);
+  if (a.n > kMaxSmallBatch) {
+    matmul_large(a, s);
+    return;
+  }
+  MvParams p;
+  p.n_w = a.n_w;
+  p.ep = a.ep;
+  p.x = a.x;
+  p.norm_w = a.norm_w;
+  p.eps = a.eps;
+  p.y = a.y;
+  p.ldy = a.ldy;
+  p.n = a.n;
+  p.K = a.w[0]->n_in;
+  const int nr = a.n == 1 ? 1 : a.n == 2 ? 2 : 4;
+  const int64_t tiles = ceil_div(a.n, nr);
+  int se = 1024;
+  for (int j = 0; j < a.n_w; ++j) se = std::min(se, stage_elems_for(a.w[j]->type));
+  p.stage_elems = se;
+  int64_t col = 0;
+  for (int j = 0; j < a.n_w; ++j) {
+    const GpuWeight& w = *a.w[j];
+    MvWeight& m = p.w[j];
+    m.data = w.data;
+    m.stride = w.row_stride;
+    m.end = w.data + (size_t)w.n_out * w.row_stride;
+    m.n_out = w.n_out;
+    m.type = w.type;
+    m.bias = a.bias[j];
+    m.col = col;
+    m.stage_bytes = se / block_elems(w.type) * block_bytes(w.type);
+    const int64_t last = p.K - (ceil_div(p.K, se) - 1) * se;  // elements in the last stage
+    m.last_bytes = (int32_t)(last / block_elems(w.type) * block_bytes(w.type));
+    col += w.n_out;
+    p.pitch = std::max(p.pitch, stage_pitch(w.type, se));
+  }
+  // 16 rows per CTA unless that leaves fewer than ~2 CTAs per SM of a large GPU
+  int rpg = 2;
+  int64_t ctas = 0;
+  if (a.ep == Epilogue::SwiGLU) {
+    ctas = ceil_div(a.w[0]->n_out, kWarps);
+  } else {
+    int64_t c2 = 0;
+    for (int j = 0; j < a.n_w; ++j) c2 += ceil_div(a.w[j]->n_out, 2 * kWarps);
+    rpg = c2 * tiles >= 264 ? 2 : 1;
+    for (int j = 0; j < a.n_w; ++j) {
+      p.w[j].cta0 = (int32_t)ctas;
+      ctas += ceil_div(a.w[j]->n_out, (int64_t)kWarps * rpg);
+    }
+  }
+  SPECD_CHECK(ctas < (int64_t)1 << 31, "linear: too many output rows");
+  SPECD_CHECK(a.n * p.K < (int64_t)1 << 31, "linear: x has more than 2^31 elements");
+  const size_t smem = (size_t)kStages * kWarps * rpg * p.pitch;
+  switch (nr) {
+    case 1: launch_matvec<1>(p, rpg, (int)ctas, smem, s); break;
+    case 2: launch_matvec<2>(p, rpg, (int)ctas, smem, s); break;
+    default: launch_matvec<4>(p, rpg, (int)ctas, smem, s); break;
+  }
+}
+
+void embed_rows(const GpuWeight& w, const int32_t* d_tokens, int64_t n, float* out, gpuStream_t s) {
+  check_weight(&w, "embed_rows: weight");
+  SPECD_CHECK(n >= 0, "embed_rows: n must be >= 0");
+  if (n == 0) return;
+  SPECD_CHECK(d_tokens != nullptr && out != nullptr, "embed_rows: tokens and out must be device pointers");
+  SPECD_CHECK((uintptr_t)out % 16 == 0, "embed_rows: out must be 16-byte aligned");
+  SPECD_CHECK(n < (int64_t)1 << 31, "embed_rows: too many tokens");
+  embed_kernel<<<(unsigned)n, kThreads, 0, s>>>(w, d_tokens, out);
+  SPECD_GPU_LAUNCHED("embed_kernel");
+}
+
+// ---- testing entry points (host arrays)
+
+namespace testing {
+
+namespace {
+DeviceBuffer upload(const void* src, size_t bytes) {
+  DeviceBuffer b(bytes ? bytes : 16);
+  to_device(b.get(), src, bytes);
+  return b;
+}
+GpuWeight upload_weight(const WeightView& w, std::vector<DeviceBuffer>& keep) {
+  const size_t bytes = w.row_stride * (size_t)w.n_out;
+  keep.push_back(upload(w.data, bytes));
+  GpuWeight g;
+  g.type = w.type;
+  g.n_in = w.n_in;
+  g.n_out = w.n_out;
+  g.data = keep.back().get<uint8_t>();
+  g.row_stride = w.row_stride;
+  return g;
+}
+}  // namespace
+
+void linear(const std::vector<WeightView>& ws, const std::vector<const float*>& biases, const float* x, int64_t n,
+            const float* norm_w, float eps, int32_t epilogue, float* y, int64_t ldy) {
+  SPECD_CHECK(!ws.empty() && ws.size() <= 3, "linear takes 1..3 weights");
+  SPECD_CHECK(biases.size() == ws.size(), "give one bias (or null) per weight");
+  SPECD_CHECK(n >= 1, "linear: n (rows of x) must be >= 1, got " + std::to_string(n));
+  std::vector<DeviceBuffer> keep;
+  keep.reserve(16);
+  GpuWeight gw[3];
+  LinearArgs a;
+  a.n_w = (int32_t)ws.size();
+  const int64_t K = ws[0].n_in;
+  for (size_t j = 0; j < ws.size(); ++j) {
+    gw[j] = upload_weight(ws[j], keep);
+    a.w[j] = &gw[j];
+    if (biases[j]) {
+      keep.push_back(upload(biases[j], sizeof(float) * (size_t)ws[j].n_out));
+      a.bias[j] = keep.back().get<float>();
+    }
+  }
+  keep.push_back(upload(x, sizeof(float) * (size_t)(n * K)));
+  a.x = keep.back().get<float>();
+  a.n = n;
+  if (norm_w) {
+    keep.push_back(upload(norm_w, sizeof(float) * (size_t)K));
+    a.norm_w = keep.back().get<float>();
+  }
+  a.eps = eps;
+  keep.push_back(upload(y, sizeof(float) * (size_t)(n * ldy)));  // Accumulate reads y
+  a.y = keep.back().get<float>();
+  a.ldy = ldy;
+  a.ep = static_cast<Epilogue>(epilogue);
+  gpu::linear(a, nullptr);
+  SPECD_GPU_CHECK(gpuStreamSynchronize(nullptr));
+  to_host(y, a.y, sizeof(float) * (size_t)(n * ldy));
+}
+
+void embed_rows(const WeightView& w, const int32_t* tokens, int64_t n, float* out) {
+  std::vector<DeviceBuffer> keep;
+  keep.reserve(3);
+  const GpuWeight g = upload_weight(w, keep);
+  keep.push_back(upload(tokens, sizeof(int32_t) * (size_t)n));
+  const int32_t* dt = keep.back().get<int32_t>();
+  keep.push_back(DeviceBuffer(sizeof(float) * (size_t)(n * w.n_in) + 16));
+  float* dout = keep.back().get<float>();
+  gpu::embed_rows(g, dt, n, dout, nullptr);
+  SPECD_GPU_CHECK(gpuStreamSynchronize(nullptr));
+  to_host(out, dout, sizeof(float) * (size_t)(n * w.n_in));
+}
+
+}  // namespace testing
+}  // namespace gpu
+}  // namespace specd

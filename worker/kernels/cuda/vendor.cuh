@@ -1,0 +1,143 @@
+// specd/cuda/vendor.cuh: the ONLY file that knows whether we compile as CUDA or as HIP.
+// Every other .cu/.cuh file uses the gpu* names and macros below, so the same sources build
+// for NVIDIA (nvcc, SPECD_BACKEND=cuda) and AMD (hipcc, SPECD_BACKEND=hip).
+//
+// Warp size: kernels never assume the hardware warp. Cross-lane work is done in GROUPS of
+// kGroup = 32 lanes with width-32 shuffles (gpu_shfl_xor(v, mask) below), which is one warp
+// on NVIDIA and on RDNA (wave32), and half a wavefront on CDNA (wave64, gfx90a/gfx94x);
+// block sizes are multiples of 64 so both wave sizes tile them exactly.
+#pragma once
+
+#if defined(__HIPCC__) || defined(__HIP_PLATFORM_AMD__)
+#define SPECD_HIP 1
+#include <hip/hip_runtime.h>
+#include <hip/hip_fp16.h>
+#include <hip/hip_bfloat16.h>
+using gpuStream_t = hipStream_t;
+using gpuError_t = hipError_t;
+using gpuGraph_t = hipGraph_t;
+using gpuGraphExec_t = hipGraphExec_t;
+using gpuEvent_t = hipEvent_t;
+using gpuDeviceProp = hipDeviceProp_t;
+#define gpuSuccess hipSuccess
+#define gpuGetErrorString hipGetErrorString
+#define gpuGetLastError hipGetLastError
+#define gpuGetDeviceCount hipGetDeviceCount
+#define gpuGetDeviceProperties hipGetDeviceProperties
+#define gpuSetDevice hipSetDevice
+#define gpuGetDevice hipGetDevice
+#define gpuMemGetInfo hipMemGetInfo
+#define gpuMalloc hipMalloc
+#define gpuFree hipFree
+#define gpuMemcpy hipMemcpy
+#define gpuMemcpyAsync hipMemcpyAsync
+#define gpuMemset hipMemset
+#define gpuMemsetAsync hipMemsetAsync
+#define gpuMemcpyHostToDevice hipMemcpyHostToDevice
+#define gpuMemcpyDeviceToHost hipMemcpyDeviceToHost
+#define gpuMemcpyDeviceToDevice hipMemcpyDeviceToDevice
+#define gpuHostAlloc hipHostMalloc
+#define gpuHostAllocDefault hipHostMallocDefault
+#define gpuFreeHost hipHostFree
+#define gpuStreamCreate hipStreamCreate
+#define gpuStreamCreateWithFlags hipStreamCreateWithFlags
+#define gpuStreamNonBlocking hipStreamNonBlocking
+#define gpuStreamDestroy hipStreamDestroy
+#define gpuStreamSynchronize hipStreamSynchronize
+#define gpuDeviceSynchronize hipDeviceSynchronize
+#define gpuStreamBeginCapture hipStreamBeginCapture
+#define gpuStreamEndCapture hipStreamEndCapture
+#define gpuStreamCaptureModeThreadLocal hipStreamCaptureModeThreadLocal
+#define gpuGraphInstantiate(exec, graph) hipGraphInstantiate(exec, graph, nullptr, nullptr, 0)
+#define gpuGraphLaunch hipGraphLaunch
+#define gpuGraphExecDestroy hipGraphExecDestroy
+#define gpuGraphDestroy hipGraphDestroy
+#define gpuEventCreate hipEventCreate
+#define gpuEventRecord hipEventRecord
+#define gpuEventSynchronize hipEventSynchronize
+#define gpuEventElapsedTime hipEventElapsedTime
+#define gpuEventDestroy hipEventDestroy
+#define gpuFuncSetAttribute(f, attr, v) hipFuncSetAttribute((const void*)(f), attr, v)
+#define gpuFuncAttributeMaxDynamicSharedMemorySize hipFuncAttributeMaxDynamicSharedMemorySize
+using gpu_bf16 = hip_bfloat16;
+#define SPECD_GPU_NAME "hip"
+#else
+#define SPECD_HIP 0
+#include <cuda_runtime.h>
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+using gpuStream_t = cudaStream_t;
+using gpuError_t = cudaError_t;
+using gpuGraph_t = cudaGraph_t;
+using gpuGraphExec_t = cudaGraphExec_t;
+using gpuEvent_t = cudaEvent_t;
+using gpuDeviceProp = cudaDeviceProp;
+#define gpuSuccess cudaSuccess
+#define gpuGetErrorString cudaGetErrorString
+#define gpuGetLastError cudaGetLastError
+#define gpuGetDeviceCount cudaGetDeviceCount
+#define gpuGetDeviceProperties cudaGetDeviceProperties
+#define gpuSetDevice cudaSetDevice
+#define gpuGetDevice cudaGetDevice
+#define gpuMemGetInfo cudaMemGetInfo
+#define gpuMalloc cudaMalloc
+#define gpuFree cudaFree
+#define gpuMemcpy cudaMemcpy
+#define gpuMemcpyAsync cudaMemcpyAsync
+#define gpuMemset cudaMemset
+#define gpuMemsetAsync cudaMemsetAsync
+#define gpuMemcpyHostToDevice cudaMemcpyHostToDevice
+#define gpuMemcpyDeviceToHost cudaMemcpyDeviceToHost
+#define gpuMemcpyDeviceToDevice cudaMemcpyDeviceToDevice
+#define gpuHostAlloc cudaHostAlloc
+#define gpuHostAllocDefault cudaHostAllocDefault
+#define gpuFreeHost cudaFreeHost
+#define gpuStreamCreate cudaStreamCreate
+#define gpuStreamCreateWithFlags cudaStreamCreateWithFlags
+#define gpuStreamNonBlocking cudaStreamNonBlocking
+#define gpuStreamDestroy cudaStreamDestroy
+#define gpuStreamSynchronize cudaStreamSynchronize
+#define gpuDeviceSynchronize cudaDeviceSynchronize
+#define gpuStreamBeginCapture cudaStreamBeginCapture
+#define gpuStreamEndCapture cudaStreamEndCapture
+#define gpuStreamCaptureModeThreadLocal cudaStreamCaptureModeThreadLocal
+#define gpuGraphInstantiate(exec, graph) cudaGraphInstantiate(exec, graph, 0)
+#define gpuGraphLaunch cudaGraphLaunch
+#define gpuGraphExecDestroy cudaGraphExecDestroy
+#define gpuGraphDestroy cudaGraphDestroy
+#define gpuEventCreate cudaEventCreate
+#define gpuEventRecord cudaEventRecord
+#define gpuEventSynchronize cudaEventSynchronize
+#define gpuEventElapsedTime cudaEventElapsedTime
+#define gpuEventDestroy cudaEventDestroy
+#define gpuFuncSetAttribute cudaFuncSetAttribute
+#define gpuFuncAttributeMaxDynamicSharedMemorySize cudaFuncAttributeMaxDynamicSharedMemorySize
+using gpu_bf16 = __nv_bfloat16;
+#define SPECD_GPU_NAME "cuda"
+#endif
+
+// Tensor-core matrix fragments (nvcuda::wmma) exist on NVIDIA sm_70+ only; the HIP build
+// and older targets take the plain FMA path of the same kernels.
+#if !SPECD_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+#define SPECD_WMMA 1
+#else
+#define SPECD_WMMA 0
+#endif
+
+namespace specd {
+namespace gpu {
+
+constexpr int kGroup = 32;  // lanes that cooperate through shuffles (see the header)
+
+// Width-32 butterfly shuffle: valid on wave32 and wave64 hardware alike.
+template <class T>
+__device__ __forceinline__ T gpu_shfl_xor(T v, int mask) {
+#if SPECD_HIP
+  return __shfl_xor(v, mask, kGroup);
+#else
+  return __shfl_xor_sync(0xffffffffu, v, mask, kGroup);
+#endif
+}
+
+}  // namespace gpu
+}  // namespace specd
