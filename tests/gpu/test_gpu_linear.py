@@ -23,7 +23,7 @@ from helpers.weights import random_weight
 from worker.engine import native, ops
 from worker.errors import SpecdError
 
-G = native.gpu_ops
+G = getattr(native, "gpu_ops", None)  # None in CPU builds: conftest skips every test here
 ALL_TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]
 GGUF_QUANTIZABLE = [T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1]
 U = 2.0**-24  # float32 unit roundoff

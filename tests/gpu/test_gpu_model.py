@@ -194,3 +194,25 @@ def test_memory_report(tmp_path):
         assert m["device_total_bytes"] > m["device_free_bytes"] > 0 and m["device_name"]
         t = eng.bench_forward(1, 16, 3)
         assert len(t) == 3 and all(x > 0 for x in t)
+
+
+def test_sampling_after_device_greedy_reads_the_kept_logits(tmp_path):
+    """After greedy steps (logits kept on the device), truncate(n_past) + sampling draws from
+    the kept logits (copied back): the same token as a sequence that prefilled those tokens."""
+    from worker.engine import Engine
+    from worker.model_file import open_model
+
+    path = _model(tmp_path, "kept", "Q8_0", arch="qwen3")
+    prompt = [int(t) for t in np.random.default_rng([SEED, 5]).integers(0, 300, size=9)]
+    with Engine(open_model(path), device=_device(), n_ctx=256) as eng:
+        seq = eng.new_sequence()
+        seq.set_sampling({"temperature": 0})
+        seq.prefill(prompt)
+        out = [t for _ in range(5) for t in seq.step()]
+        seq.truncate(len(prompt) + 4)
+        seq.set_sampling({"temperature": 1.0, "seed": 3})
+        got = seq.step()
+        ref = eng.new_sequence()
+        ref.prefill(prompt + out[:4])
+        ref.set_sampling({"temperature": 1.0, "seed": 3})
+        assert got == ref.step()

@@ -183,6 +183,22 @@ def test_truncate_keeping_everything_keeps_logits(engine, prompt) -> None:
         assert seq.step() == a
 
 
+def test_sampling_after_device_greedy_steps_reads_the_kept_logits(engine, prompt) -> None:
+    """Greedy steps keep the logits with the model (only argmax comes back); switching to
+    sampling after truncate(n_past) must draw from those same logits (read back), exactly as
+    a sequence that prefilled the same tokens draws."""
+    with engine.new_sequence() as seq:
+        seq.prefill(prompt)
+        out = greedy(seq, 5)
+        seq.truncate(len(prompt) + 4)  # drops only the pending 5th token
+        seq.set_sampling({"temperature": 1.0, "seed": 11})
+        got = seq.step()
+    with engine.new_sequence() as ref:
+        ref.prefill(prompt + out[:4])
+        ref.set_sampling({"temperature": 1.0, "seed": 11})
+        assert got == ref.step()
+
+
 def test_sampling_is_wired_to_the_sampler_ops(engine, prompt) -> None:
     params = {"temperature": 0.8, "top_k": 50, "top_p": 0.95, "repetition_penalty": 1.3,
               "presence_penalty": 0.5, "frequency_penalty": 0.4, "seed": 1234}
