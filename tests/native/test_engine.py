@@ -250,10 +250,16 @@ def test_kv_f32_matches_f16(model, engine, prompt) -> None:
         f32 = seq.prefill(prompt, all_logits=True)
     # fp16 rounds K and V to 11 significant bits (relative 2^-12 ~ 2.4e-4 per element);
     # attention averages many such errors, and 30 layers carry them to logits of O(10):
-    # measured max |diff| 0.015 on a 37-token random prompt. 0.25 allows that with margin
-    # while a wrong cache (missing rows, bad conversion) moves logits by whole units.
-    diff = np.abs(f16 - f32).max()
-    assert diff < 0.25, diff
+    # per-position max |diff| is typically 0.005-0.05 on a 37-token random prompt. A few
+    # positions are ill-conditioned: for prompts starting [33685, 9757, 5910, 36380, ...]
+    # position 1 moves by 0.82, and the float64 reference with fp16-rounded K/V moves by
+    # 0.54 there too, so that is fp16 itself, not the engine. Hence: typical positions
+    # within 0.1, none beyond 2; a wrong cache (missing rows, bad conversion) moves logits
+    # by whole units at most positions.
+    per_pos = np.abs(f16 - f32).max(axis=1)
+    assert np.median(per_pos) < 0.1, per_pos
+    assert per_pos.max() < 2.0, per_pos
+    diff = per_pos.max()
     assert diff > 0  # the two caches really differ in precision
 
 
