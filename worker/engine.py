@@ -12,6 +12,7 @@ import glob
 import importlib.util
 import numbers
 import os
+import re
 import sys
 import weakref
 from collections.abc import Mapping
@@ -62,16 +63,26 @@ SPEC_MODES = ("none", "draft", "ngram")  # built in; the native engine may regis
 MAX_DRAFT = 32  # largest k per speculative step (engine.h kMaxDraft)
 
 
-def check_device(device: str) -> None:
-    """Raises InvalidRequestError unless `device` is cpu, cuda[:N] or hip[:N]."""
-    import re
-
-    if not isinstance(device, str) or not re.fullmatch(r"cpu|(cuda|hip)(:\d{1,4})?", device):
-        raise InvalidRequestError(f"device must be cpu, cuda:N or hip:N, got {device!r}")
+_GPU_DEVICE = re.compile(r"(cuda|hip):\d+")
 
 
-def _is_device_error(message: str) -> bool:
-    return any(word in message for word in ("device", "SPECD_BACKEND", "MiB", "cuda", "hip"))
+def check_device(device: str) -> str:
+    """`device` if this build can use it; InvalidRequestError (before anything loads) when
+    the string is malformed or names a GPU backend this install was not built with. A
+    missing GPU index is reported by the engine when it loads (with the devices it sees)."""
+    if device == "cpu":
+        return device
+    m = _GPU_DEVICE.fullmatch(device) if isinstance(device, str) else None
+    if not m:
+        raise InvalidRequestError(f"device {device!r} is not one of cpu, cuda:N, hip:N (N = GPU index)")
+    if native.backend != m.group(1):
+        backend = {"cuda": "CUDA", "hip": "HIP (ROCm)"}[m.group(1)]
+        raise InvalidRequestError(
+            f"device {device!r}: this specd was built without the {backend} backend "
+            f"(SPECD_BACKEND={native.backend}); reinstall it with SPECD_BACKEND={m.group(1)} pip install . "
+            f"or use --device cpu"
+        )
+    return device
 
 
 def check_same_vocabulary(target: ModelFile, draft: ModelFile) -> None:
@@ -144,10 +155,9 @@ class Engine:
             if dflash:
                 self._native.set_dflash(draft_model.config.to_native(), draft_model.tensors)
         except EngineError as exc:  # options are checked above: what is left is the files or the device
-            if device != "cpu" and _is_device_error(str(exc)):
-                raise ModelLoadError(f"{model.path} on {device}: {exc}") from exc
             files = f"{model.path}" + (f" / draft {draft_model.path}" if draft_model is not None else "")
-            raise ModelLoadError(f"{files}: {exc}") from exc
+            where = "" if device == "cpu" else f" on {device}"
+            raise ModelLoadError(f"{files}{where}: {exc}") from exc
         self.model = model
         self.draft_model = draft_model
         self.config: ModelConfig = model.config

@@ -33,7 +33,6 @@ import argparse
 import logging
 import math
 import os
-import re
 import signal
 import socket
 import sys
@@ -53,30 +52,14 @@ FAILURE_TTL_S = 24 * 3600  # failed jobs stay inspectable for a day (rq's defaul
 POLL_S = 1                 # blocking-pop timeout while idle = worst-case idle stop latency
 MAINTENANCE_S = 10         # rq registry cleanup interval (moves abandoned jobs to failed)
 
-_GPU_DEVICE = re.compile(r"^(cuda|hip):(\d+)$")
-
 
 # ---- configuration ----
 
 def check_device(device: str) -> str:
-    """`device` if this build can use it; InvalidRequestError (before anything loads) when
-    the string is malformed or names a GPU backend this install was not built with. A
-    missing GPU index is reported by the engine when it loads (with the devices it sees)."""
-    if device == "cpu":
-        return device
-    m = _GPU_DEVICE.match(device)
-    if not m:
-        raise InvalidRequestError(f"device {device!r} is not one of cpu, cuda:N, hip:N (N = GPU index)")
-    from worker.engine import native
+    """worker.engine.check_device (imported on use: loading this module loads no native code)."""
+    from worker.engine import check_device as check
 
-    if native.backend != m.group(1):
-        backend = {"cuda": "CUDA", "hip": "HIP (ROCm)"}[m.group(1)]
-        raise InvalidRequestError(
-            f"device {device!r}: this specd was built without the {backend} backend "
-            f"(SPECD_BACKEND={native.backend}); reinstall it with SPECD_BACKEND={m.group(1)} pip install . "
-            f"or use --device cpu"
-        )
-    return device
+    return check(device)
 
 
 def served_name(model: str, name: str | None = None) -> str:

@@ -268,8 +268,6 @@ class GpuModel final : public ForwardModel {
   void reserve(int64_t n, int64_t n_ctx) const {
     const ModelConfig& c = config();
     const int64_t q_dim = (int64_t)c.n_heads * c.head_dim, qkv_ld = q_dim + 2 * kv_dim();
-    const size_t before = scratch_bytes();
-    const uint64_t epoch0 = epoch_;
     auto grow = [&](DeviceBuffer& b, size_t bytes) {
       if (bytes > b.size()) {
         b.resize(bytes);
@@ -285,8 +283,6 @@ class GpuModel final : public ForwardModel {
     grow(tokens_, sizeof(int32_t) * (size_t)n);
     grow(tops_, sizeof(int32_t) * (size_t)n);
     grow(work_, gpu::attention_workspace_bytes(n, n_ctx, c.n_heads, c.head_dim));
-    (void)before;
-    (void)epoch0;
     staging_.reserve(n);
   }
 
@@ -331,7 +327,7 @@ class GpuModel final : public ForwardModel {
     SPECD_GPU_CHECK(gpuMemcpyAsync(tokens_.get(), staging_.host + 1, sizeof(int32_t) * (size_t)n,
                                    gpuMemcpyHostToDevice, stream_));
     kv.device_rows = 0;
-    if (small && capture == nullptr && graphs_enabled_) {
+    if (small && capture == nullptr) {
       const int64_t key = n * 4 + (int64_t)head;
       GpuKv::Graph& g = kv.graphs[key];
       if (g.exec == nullptr || g.epoch != epoch_) {
@@ -365,12 +361,24 @@ class GpuModel final : public ForwardModel {
     const ModelConfig& c = config();
     const int64_t dim = c.dim, hd = c.head_dim, q_dim = (int64_t)c.n_heads * hd, kvd = kv_dim();
     const int64_t qkv_ld = q_dim + 2 * kvd;
-    const bool small = n <= gpu::kMaxSmallBatch;
     const float eps = c.norm_eps;
     gpuStream_t s = stream_;
     float *h = h_.get<float>(), *xn = xn_.get<float>(), *qkv = qkv_.get<float>(), *att = att_.get<float>();
     float *act = act_.get<float>(), *q = q_.get<float>();
     const int32_t* d_pos = pos_.get<int32_t>();
+
+    // RMSNorm(x) * w as the input of `a`: fused into the matrix kernel for small forwards
+    // (batch-invariant path), a separate launch into xn for the tensor-core path.
+    auto normed_input = [&](gpu::LinearArgs& a, const float* x, const float* w, int64_t rows) {
+      if (rows <= gpu::kMaxSmallBatch) {
+        a.x = x;
+        a.norm_w = w;
+        a.eps = eps;
+      } else {
+        gpu::rmsnorm(x, w, xn, rows, dim, eps, s);
+        a.x = xn;
+      }
+    };
 
     gpu::embed_rows(tok_embd_, tokens_.get<int32_t>(), n, h, s);
     for (int32_t l = 0; l < c.n_layers; ++l) {
@@ -387,14 +395,7 @@ class GpuModel final : public ForwardModel {
       a.n = n;
       a.y = qkv;
       a.ldy = qkv_ld;
-      if (small) {
-        a.x = h;
-        a.norm_w = L.attn_norm;
-        a.eps = eps;
-      } else {
-        gpu::rmsnorm(h, L.attn_norm, xn, n, dim, eps, s);
-        a.x = xn;
-      }
+      normed_input(a, h, L.attn_norm, n);
       gpu::linear(a, s);
 
       gpu::RopeKvArgs r;
@@ -454,14 +455,7 @@ class GpuModel final : public ForwardModel {
       f.y = act;
       f.ldy = c.ffn_dim;
       f.ep = gpu::Epilogue::SwiGLU;
-      if (small) {
-        f.x = h;
-        f.norm_w = L.ffn_norm;
-        f.eps = eps;
-      } else {
-        gpu::rmsnorm(h, L.ffn_norm, xn, n, dim, eps, s);
-        f.x = xn;
-      }
+      normed_input(f, h, L.ffn_norm, n);
       gpu::linear(f, s);
 
       gpu::LinearArgs d;
@@ -490,14 +484,7 @@ class GpuModel final : public ForwardModel {
     out.n = rows;
     out.y = logits;
     out.ldy = c.n_vocab;
-    if (rows <= gpu::kMaxSmallBatch) {
-      out.x = hx;
-      out.norm_w = output_norm_;
-      out.eps = eps;
-    } else {
-      gpu::rmsnorm(hx, output_norm_, xn, rows, dim, eps, s);
-      out.x = xn;
-    }
+    normed_input(out, hx, output_norm_, rows);
     gpu::linear(out, s);
     if (argmax) gpu::argmax_rows(logits, rows, c.n_vocab, tops_.get<int32_t>(), s);
   }
@@ -526,7 +513,6 @@ class GpuModel final : public ForwardModel {
   const float* output_norm_ = nullptr;
   RopeParams rope_;
   std::vector<GpuLayer> layers_;
-  bool graphs_enabled_ = true;
   // scratch (grown on demand; forward() is not re-entrant: the engine serialises calls)
   mutable DeviceBuffer h_, xn_, qkv_, q_, att_, act_, work_, big_logits_, tokens_, tops_, pos_;
   mutable Staging staging_;

@@ -12,7 +12,6 @@
 
 #include "common/parallel.h"
 #include "engine/accept.h"
-#include "model/model.h"
 
 namespace specd {
 
