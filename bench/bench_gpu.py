@@ -262,6 +262,9 @@ def measure_specd(path: Path, args: argparse.Namespace, res: dict) -> None:
     if hasattr(eng, "memory"):
         phase("memory", memory)
     phase("forward", forward)
+    if args.forward_only:
+        eng.close()
+        return
     for n in args.prefill:
         phase(f"prefill_{n}", lambda n=n: prefill(n))
     phase("generate", generate)
@@ -282,14 +285,19 @@ def child_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_specd(path: Path, args: argparse.Namespace, timeout: float) -> dict:
-    """measure_specd in a child process; a crash, timeout or error comes back as ok=False."""
+def run_specd(path: Path, args: argparse.Namespace, timeout: float, variant: dict | None = None) -> dict:
+    """measure_specd in a child process; a crash, timeout or error comes back as ok=False.
+    variant: environment settings of an extra run (--variant), which measures forwards only."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = Path(f.name)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(path), "--child-out", str(out),
            *sys.argv[1:]]
+    env = None
+    if variant is not None:
+        cmd.append("--forward-only")
+        env = {**os.environ, **variant}
     try:
-        proc = subprocess.run(cmd, timeout=timeout)
+        proc = subprocess.run(cmd, timeout=timeout, env=env)
         text = out.read_text() if out.exists() else ""
         if text:
             return json.loads(text)
@@ -415,6 +423,16 @@ def print_table(rows: list[dict], prefill: list[int]) -> None:
                 print(f"{'':24}   {side} failed: {r[side]['error'][:150]}")
         if "error" in r:
             print(f"{'':24}   unreadable: {r['error'][:150]}")
+    if any(r.get("variants") for r in rows):
+        print(f"\n{'model':24} {'variant':12} | {'fwd1':>7} {'x base':>6} | verify cost k=" + ",".join(
+            str(k) for k in sorted({int(k) for r in rows for v in [r.get("specd", {})] for k in v.get("verify_cost", {})})))
+        for r in rows:
+            base = r.get("specd", {}).get("decode_forward", {}).get("tok_s")
+            for name, v in [("(default)", r.get("specd", {})), *r.get("variants", {}).items()]:
+                tok = v.get("decode_forward", {}).get("tok_s")
+                costs = " ".join(f"{c:5.2f}" for _, c in sorted((int(k), c) for k, c in v.get("verify_cost", {}).items()))
+                print(f"{r['label'][:24]:24} {name[:12]:12} | {f(tok, '7.1f')} {f(ratio(tok, base), '6.2f')} | "
+                      + (costs if v.get("ok", True) else "failed: " + str(v.get("error"))[:80]))
     print("decode: greedy steps (tok/s, % of the bandwidth floor); fwd1: bench_forward(1, 64); ratio: specd / "
           "llama.cpp; ppN: prefill tok/s; ver16: cost of a 16-position forward in decode steps")
 
@@ -490,11 +508,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--llama-reps", type=int, default=5)
     ap.add_argument("--model-timeout", type=float, default=300, help="seconds per model and side")
     ap.add_argument("--deadline", type=float, default=None, help="seconds for the whole run; later models skipped")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:VAR=VALUE[,VAR=VALUE]",
+                    help="an extra specd run per model with these environment settings (forward and verify "
+                         "only), e.g. nopdl:SPECD_GPU_PDL=0")
+    ap.add_argument("--forward-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.prefill = [int(x) for x in args.prefill.split(",") if x]
     args.verify = [int(x) for x in args.verify.split(",") if x]
+    variants = {}
+    for v in args.variant:
+        name, _, settings = v.partition(":")
+        pairs = [kv.split("=", 1) for kv in settings.split(",") if kv]
+        if not name or not pairs or any(len(kv) != 2 or not kv[0] for kv in pairs):
+            ap.error(f"--variant {v!r}: expected NAME:VAR=VALUE[,VAR=VALUE]")
+        variants[name] = dict(pairs)
+    args.variants = variants
     if not args.prefill or not args.verify or 16 not in args.verify:
         ap.error("--prefill needs at least one length and --verify must include 16")
     return args
@@ -546,6 +576,15 @@ def main() -> int:
             row[side]["wall_s"] = time.monotonic() - t0
             if not row[side].get("ok"):
                 print(f"  {side}: FAILED: {row[side]['error'][:300]}", flush=True)
+            if side != "specd":
+                continue
+            for name, env in args.variants.items():
+                budget = min(args.model_timeout, left() - 5)
+                if budget < 20:
+                    print(f"  variant {name}: skipped, out of time", flush=True)
+                    continue
+                print(f"  variant {name} ({', '.join(f'{k}={v}' for k, v in env.items())}):", flush=True)
+                row.setdefault("variants", {})[name] = {"env": env, **run_specd(path, args, budget, env)}
     for row in ok_rows:
         summarize(row, args.prefill)
 

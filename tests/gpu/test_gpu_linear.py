@@ -66,13 +66,14 @@ def gpu(ws, biases, x, norm_w=None, eps=0.0, epilogue=0, y=None) -> np.ndarray:
 def small_bound(ax: np.ndarray, aw: np.ndarray, extra: float = 0.0) -> np.ndarray:
     """|float32 GPU - exact| for the n <= 64 path, elementwise.
 
-    Each lane accumulates K/256 pieces, 4 fmas per run into one of 2 partial sums (K/64 roundings
-    per term at most), a Scaled piece adds a 4-term partial and one scale fma, then p0 + p1 and a
-    5-level butterfly: at most K/64 + 16 roundings per product, so |err| <= (K/64 + 16) u |x||W|^T.
+    Each lane accumulates K/32 elements into one sum (K/256 pieces of 8: 8 fmas, or for a Scaled
+    piece two 4-term partials each added by one scale fma: K/32 roundings per term at most), then
+    a 5-level butterfly: at most K/32 + 16 roundings per product, so
+    |err| <= (K/32 + 16) u |x||W|^T.
     `extra` adds roundings (fused norm: w*nw, the inv factor's own error).
     """
     k = ax.shape[1]
-    return 1.01 * (k / 64 + 16 + extra) * U * (ax @ aw.T)
+    return 1.01 * (k / 32 + 16 + extra) * U * (ax @ aw.T)
 
 
 def fp16_bound(ax: np.ndarray, aw: np.ndarray) -> np.ndarray:
@@ -188,15 +189,32 @@ def test_small_path_is_batch_invariant(qtype: T, rng: np.random.Generator) -> No
 
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0, T.Q5_0, T.F16], ids=lambda t: t.name)
 def test_batch_invariant_across_cta_shapes(qtype: T, rng: np.random.Generator) -> None:
-    # 3201 rows: 8 rows per CTA for a single tile of x (n <= 4), 16 rows per CTA once there are
-    # two tiles or more (n >= 5): the launch shape changes, the rows must not.
+    # 3201 rows: 8 or 16 weight rows per CTA for tiles of up to 4 rows of x, 16 or 32 for tiles
+    # of 8 and 16 (n = 12: one tile of 16; n = 4: one of 4): the launch shape changes, the rows
+    # must not.
     n_in, n_out = 256, 3201
     w = random_weight(rng, qtype, n_out, n_in)
-    x = rng.standard_normal((12, n_in), dtype=np.float32)
+    x = rng.standard_normal((40, n_in), dtype=np.float32)
     ws = [(qtype, w, n_out, n_in)]
-    batched = gpu(ws, [None], x)
-    np.testing.assert_array_equal(batched.view(np.uint32), rows_alone(ws, [None], x).view(np.uint32))
-    np.testing.assert_array_equal(batched[:4].view(np.uint32), gpu(ws, [None], x[:4]).view(np.uint32))
+    alone = rows_alone(ws, [None], x)
+    for lo, hi in ((0, 40), (0, 12), (5, 13), (0, 4)):  # 3 tiles of 16, 1 of 16, 1 of 8, 1 of 4
+        np.testing.assert_array_equal(gpu(ws, [None], x[lo:hi]).view(np.uint32), alone[lo:hi].view(np.uint32))
+
+
+@pytest.mark.parametrize("types", [(T.Q4_K, T.Q4_K), (T.Q4_K, T.Q6_K), (T.BF16, T.BF16)],
+                         ids=lambda ts: "-".join(t.name for t in ts))
+def test_swiglu_batch_invariant_across_cta_shapes(types: tuple[T, T], rng: np.random.Generator) -> None:
+    # 1000 output rows: 1 gate + 1 up row per group for tiles of up to 4 rows of x (and for a
+    # single tile of 16), 2 + 2 for three tiles of 16 (n = 40); mixed types decode row by row.
+    n_in, n_out = 512, 1000
+    ws = [(t, random_weight(rng, t, n_out, n_in), n_out, n_in) for t in types]
+    x = rng.standard_normal((40, n_in), dtype=np.float32) / np.sqrt(n_in)
+    norm_w = rng.uniform(0.5, 1.5, n_in).astype(np.float32)
+    kw = dict(norm_w=norm_w, eps=1e-6, epilogue=2)
+    alone = rows_alone(ws, [None, None], x, **kw)
+    for lo, hi in ((0, 40), (3, 19), (1, 7)):
+        np.testing.assert_array_equal(gpu(ws, [None, None], x[lo:hi], **kw).view(np.uint32),
+                                      alone[lo:hi].view(np.uint32))
 
 
 def test_fused_norm_and_swiglu_are_batch_invariant(rng: np.random.Generator) -> None:

@@ -392,6 +392,19 @@ def test_argmax_rows_every_position(rng, nv):
     assert np.array_equal(gpu().argmax_rows(x), np.arange(nv))
 
 
+def test_argmax_rows_across_segments(rng):
+    # Rows are split over blocks of 8192 logits: the maximum on either side of each boundary,
+    # and a tie between segments (the lower index wins whichever block finishes last).
+    nv = 3 * 8192 + 5
+    spots = [0, 8191, 8192, 16383, 16384, 24575, 24576, nv - 1]
+    x = rng.standard_normal((len(spots) + 1, nv)).astype(np.float32)
+    for r, k in enumerate(spots):
+        x[r, k] = 50.0
+    x[-1, [20000, 9000, 8193]] = 50.0
+    for _ in range(3):  # repeated calls: each call leaves the workspace ready for the next
+        assert list(gpu().argmax_rows(x)) == spots + [8193]
+
+
 def test_argmax_rows_all_nan():
     x = np.full((2, 100), np.nan, np.float32)
     assert list(gpu().argmax_rows(x)) == [0, 0] == [ops.argmax(r) for r in x]

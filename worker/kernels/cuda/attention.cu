@@ -247,6 +247,8 @@ __device__ __forceinline__ bool item_of(const AttnParams& P, int64_t item, int p
 // sub-tile is loaded while the current one finishes.
 template <class C, class KvT>
 __global__ void __launch_bounds__(kAttnThreads, C::MINB) attn_chunk_kernel(const AttnParams P) {
+  gpu_grid_wait();  // (programmatic dependent launch: vendor.cuh)
+  gpu_grid_launch_dependents();
   extern __shared__ float4 smem4[];
   float* smem = reinterpret_cast<float*>(smem4);
   float* qs = smem + C::kQ;
@@ -403,6 +405,8 @@ __global__ void __launch_bounds__(kAttnThreads, C::MINB) attn_chunk_kernel(const
 // Fixed by (head_dim, the query's chunk count) alone. Dynamic shared memory: n_chunks (rounded up
 // to 4) + K*(hd+1) floats.
 __global__ void __launch_bounds__(kAttnThreads) attn_combine_kernel(const AttnParams P) {
+  gpu_grid_wait();  // (programmatic dependent launch: vendor.cuh)
+  gpu_grid_launch_dependents();
   extern __shared__ float csm[];
   __shared__ float red[kWarps];
   const int h = blockIdx.x, r = blockIdx.y;  // r: launch-local query
@@ -468,31 +472,6 @@ int64_t queries_per_launch(int64_t n, int64_t n_ctx, int32_t n_heads, int32_t he
   return std::max<int64_t>(1, std::min<int64_t>({n, (int64_t)kMaxQueriesPerLaunch, fit}));
 }
 
-// What the launchers need of the device in use, cached per device.
-struct DevLimits {
-  size_t smem_per_block = 0;  // opt-in maximum
-  int sms = 0;
-};
-
-const DevLimits& dev_limits() {
-  static DevLimits cached[64];
-  int dev = 0;
-  SPECD_GPU_CHECK(gpuGetDevice(&dev));
-  if (dev < 0 || dev >= 64) dev = 0;
-  DevLimits& L = cached[dev];
-  if (!L.sms) {
-    gpuDeviceProp p;
-    SPECD_GPU_CHECK(gpuGetDeviceProperties(&p, dev));
-#if SPECD_HIP
-    L.smem_per_block = p.sharedMemPerBlock;  // (no opt-in field in every ROCm; AMD has no opt-in anyway)
-#else
-    L.smem_per_block = std::max<size_t>(p.sharedMemPerBlockOptin, p.sharedMemPerBlock);
-#endif
-    L.sms = std::max(1, p.multiProcessorCount);
-  }
-  return L;
-}
-
 template <class C, class KvT>
 void launch_cfg(AttnParams P, int64_t rows, gpuStream_t s) {
   auto kern = attn_chunk_kernel<C, KvT>;
@@ -500,8 +479,7 @@ void launch_cfg(AttnParams P, int64_t rows, gpuStream_t s) {
   P.n_tiles = (int32_t)ceil_div(rows, C::RMAX);
   const int64_t items = (int64_t)P.n_chunks * P.n_kv * P.n_tiles;
   const int64_t grid = std::min<int64_t>(items, (int64_t)dev_limits().sms * C::MINB);
-  kern<<<(unsigned)grid, kAttnThreads, C::kSmemBytes, s>>>(P);
-  SPECD_GPU_LAUNCHED("attn_chunk_kernel");
+  gpu_launch("attn_chunk_kernel", kern, dim3((unsigned)grid), dim3(kAttnThreads), C::kSmemBytes, s, P);
 }
 
 // The first block shape that fits the device's shared memory: Dec (few rows: decode and
@@ -585,8 +563,8 @@ void attention(const AttnArgs& a, gpuStream_t s) {
     if (nc > 1) {
       const int K = kAttnThreads / (a.head_dim / 4);
       const size_t smem = sizeof(float) * (size_t)(((nc + 3) & ~3) + K * (a.head_dim + 1));
-      attn_combine_kernel<<<dim3((unsigned)a.n_heads, (unsigned)P.nq), kAttnThreads, smem, s>>>(P);
-      SPECD_GPU_LAUNCHED("attn_combine_kernel");
+      gpu_launch("attn_combine_kernel", attn_combine_kernel, dim3((unsigned)a.n_heads, (unsigned)P.nq),
+                 dim3(kAttnThreads), smem, s, P);
     }
   }
 }

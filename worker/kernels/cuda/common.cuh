@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "common/types.h"
 #include "cuda/vendor.cuh"
@@ -22,6 +23,23 @@ inline void check(gpuError_t e, const char* what) {
 #define SPECD_GPU_LAUNCHED(name) ::specd::gpu::check(gpuGetLastError(), name)
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// What the launchers need of the current device, read once per device (device.cu).
+struct DevLimits {
+  size_t smem_per_block = 0;  // opt-in maximum of dynamic shared memory per block
+  int sms = 0;                // multiprocessors
+  bool pdl = false;           // programmatic dependent launch: sm_90+ and SPECD_GPU_PDL != "0"
+};
+const DevLimits& dev_limits();
+
+// kernel<<<grid, block, smem, s>>>(args...) through gpu_launch_kernel, with programmatic
+// dependent launch where the device has it (every kernel calls gpu_grid_wait() first, see
+// vendor.cuh), then the launch check.
+template <class... P, class... A>
+inline void gpu_launch(const char* name, void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, gpuStream_t s,
+                       A&&... args) {
+  check(gpu_launch_kernel(dev_limits().pdl, kernel, grid, block, smem, s, std::forward<A>(args)...), name);
+}
 
 // ---- device helpers
 

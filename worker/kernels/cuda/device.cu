@@ -1,5 +1,10 @@
 // specd/cuda/device.cu: device selection and the testing entry points that need no op.
 #include "cuda/device.cuh"
+
+#include <algorithm>
+#include <cstdlib>
+#include <string>
+
 #include "cuda/testing.h"
 
 namespace specd {
@@ -28,6 +33,28 @@ DeviceInfo select_device(int index) {
   d.minor = p.minor;
   SPECD_GPU_CHECK(gpuMemGetInfo(&d.free_bytes, &d.total_bytes));
   return d;
+}
+
+const DevLimits& dev_limits() {
+  static DevLimits cached[64];
+  int dev = 0;
+  SPECD_GPU_CHECK(gpuGetDevice(&dev));
+  if (dev < 0 || dev >= 64) dev = 0;
+  DevLimits& L = cached[dev];
+  if (!L.sms) {
+    gpuDeviceProp p;
+    SPECD_GPU_CHECK(gpuGetDeviceProperties(&p, dev));
+#if SPECD_HIP
+    L.smem_per_block = p.sharedMemPerBlock;  // (no opt-in field in every ROCm; AMD has no opt-in anyway)
+    L.pdl = false;
+#else
+    L.smem_per_block = std::max<size_t>(p.sharedMemPerBlockOptin, p.sharedMemPerBlock);
+    const char* env = std::getenv("SPECD_GPU_PDL");
+    L.pdl = p.major >= 9 && !(env && std::string(env) == "0");
+#endif
+    L.sms = std::max(1, p.multiProcessorCount);
+  }
+  return L;
 }
 
 namespace testing {

@@ -260,7 +260,7 @@ class GpuModel final : public ForwardModel {
 
   size_t scratch_bytes() const {
     return h_.size() + xn_.size() + qkv_.size() + q_.size() + att_.size() + act_.size() + work_.size() +
-           big_logits_.size() + tokens_.size() + tops_.size() + pos_.size();
+           big_logits_.size() + tokens_.size() + tops_.size() + argmax_work_.size() + pos_.size();
   }
 
   // Grows the activation scratch for n rows; growing invalidates every captured graph
@@ -282,6 +282,10 @@ class GpuModel final : public ForwardModel {
     grow(act_, sizeof(float) * (size_t)(n * c.ffn_dim));
     grow(tokens_, sizeof(int32_t) * (size_t)n);
     grow(tops_, sizeof(int32_t) * (size_t)n);
+    if (gpu::argmax_workspace_bytes(n, c.n_vocab) > argmax_work_.size()) {
+      grow(argmax_work_, gpu::argmax_workspace_bytes(n, c.n_vocab));
+      SPECD_GPU_CHECK(gpuMemsetAsync(argmax_work_.get(), 0, argmax_work_.size(), stream_));  // counters at 0
+    }
     grow(work_, gpu::attention_workspace_bytes(n, n_ctx, c.n_heads, c.head_dim));
     staging_.reserve(n);
   }
@@ -486,7 +490,7 @@ class GpuModel final : public ForwardModel {
     out.ldy = c.n_vocab;
     normed_input(out, hx, output_norm_, rows);
     gpu::linear(out, s);
-    if (argmax) gpu::argmax_rows(logits, rows, c.n_vocab, tops_.get<int32_t>(), s);
+    if (argmax) gpu::argmax_rows(logits, rows, c.n_vocab, tops_.get<int32_t>(), argmax_work_.get(), s);
   }
 
   // Strided row copy (rows of `width` floats) on the stream, device->device or to the host.
@@ -514,7 +518,7 @@ class GpuModel final : public ForwardModel {
   RopeParams rope_;
   std::vector<GpuLayer> layers_;
   // scratch (grown on demand; forward() is not re-entrant: the engine serialises calls)
-  mutable DeviceBuffer h_, xn_, qkv_, q_, att_, act_, work_, big_logits_, tokens_, tops_, pos_;
+  mutable DeviceBuffer h_, xn_, qkv_, q_, att_, act_, work_, big_logits_, tokens_, tops_, argmax_work_, pos_;
   mutable Staging staging_;
   mutable uint64_t epoch_ = 1;
 };

@@ -99,6 +99,8 @@ __device__ __forceinline__ void decode_tile_any(const MmWeight& w, int64_t o0, i
 }
 
 __global__ void __launch_bounds__(kThreads, 2) matmul_kernel(const MmParams p) {
+  gpu_grid_wait();  // (programmatic dependent launch: vendor.cuh)
+  gpu_grid_launch_dependents();
   extern __shared__ __align__(128) uint8_t smem[];
   __half* As = reinterpret_cast<__half*>(smem);  // [BM][kLd] x tile, row-major
   __half* Bs = As + BM * kLd;                     // [BN][kLd] W tile: row o holds W[o, k0..]
@@ -257,8 +259,7 @@ void matmul_large(const LinearArgs& a, gpuStream_t s) {
     SPECD_GPU_CHECK(gpuFuncSetAttribute(matmul_kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, (int)kSmem));
   });
   const dim3 grid((unsigned)ceil_div(a.n, BM), (unsigned)ctas);
-  matmul_kernel<<<grid, kThreads, kSmem, s>>>(p);
-  SPECD_GPU_LAUNCHED("matmul_kernel");
+  gpu_launch("matmul_kernel", matmul_kernel, grid, dim3(kThreads), kSmem, s, p);
 }
 
 }  // namespace gpu

@@ -20,6 +20,7 @@
 // or RPG. So row r of y is bit-identical whatever else is computed with it. The RMSNorm
 // factor of a row is a fixed-order reduction over the whole CTA, the same in every CTA.
 #include <algorithm>
+#include <cstdlib>
 #include <mutex>
 #include <string>
 
@@ -43,7 +44,6 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / kGroup;  // groups per CTA
 constexpr int kStages = 3;                 // staged buffers (2 copies in flight while one is read)
-constexpr int kMaxSlots = 2 * kWarps;      // staged weight rows per CTA
 
 // Staging geometry: K elements per stage (one launch uses one value: 1024, or 512 / 256 when
 // a float type is present so that a stage of a row stays near 1 KiB), bytes of one row per
@@ -60,7 +60,8 @@ constexpr int max_pitch() {
     m = std::max(m, stage_pitch(t, stage_elems_for(t)));  // (a launch's stage is at most its types' own)
   return m;
 }
-constexpr size_t kMaxSmem = (size_t)kStages * kMaxSlots * max_pitch();  // 52 KiB (Q8_0)
+// Largest staging buffer of a CTA with RPG rows per group: 52 KiB (Q8_0) per 2 rows.
+constexpr size_t max_smem(int rpg) { return (size_t)kStages * kWarps * rpg * max_pitch(); }
 
 // ---- asynchronous 16-byte copies global -> shared (plain copies where cp.async is absent)
 
@@ -155,10 +156,10 @@ __device__ __forceinline__ void load8(const float* p, int gap, float (&v)[8]) {
   v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
 }
 
-// acc[h] += one piece's products with x (run h): s_h * (q.x) for Scaled, w.x otherwise.
+// acc += one piece's products with x: for Scaled, s_0 (q.x over run 0) then s_1 (q.x over
+// run 1); otherwise the 8 exact weights in order. One accumulator per (weight row, x row).
 template <bool kScaled>
-__device__ __forceinline__ void piece_dot(const float (&w)[8], const float (&s)[2], const float (&x)[8],
-                                          float (&acc)[2]) {
+__device__ __forceinline__ void piece_dot(const float (&w)[8], const float (&s)[2], const float (&x)[8], float& acc) {
   if constexpr (kScaled) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -166,11 +167,11 @@ __device__ __forceinline__ void piece_dot(const float (&w)[8], const float (&s)[
       t = fmaf(w[4 * h + 1], x[4 * h + 1], t);
       t = fmaf(w[4 * h + 2], x[4 * h + 2], t);
       t = fmaf(w[4 * h + 3], x[4 * h + 3], t);
-      acc[h] = fmaf(s[h], t, acc[h]);
+      acc = fmaf(s[h], t, acc);
     }
   } else {
 #pragma unroll
-    for (int e = 0; e < 8; ++e) acc[e >> 2] = fmaf(w[e], x[e], acc[e >> 2]);
+    for (int e = 0; e < 8; ++e) acc = fmaf(w[e], x[e], acc);
   }
 }
 
@@ -178,7 +179,7 @@ __device__ __forceinline__ void piece_dot(const float (&w)[8], const float (&s)[
 // group's RPG staged rows, all of type T, times NR rows of x.
 template <GgmlType T, int NR, int RPG>
 __device__ __forceinline__ void stage_dot(const MvParams& p, const uint8_t* const (&base)[RPG], int n_pc, int64_t k0,
-                                          const int32_t (&xoff)[NR], float (&acc)[RPG][NR][2], int lane) {
+                                          const int32_t (&xoff)[NR], float (&acc)[RPG][NR], int lane) {
   using D = Dec<T>;
   constexpr bool kScaled = D::kForm == Form::Scaled;
   constexpr int kUnroll = NR * RPG >= 4 ? 1 : 4 / (NR * RPG);  // loads of several pieces in flight
@@ -221,31 +222,39 @@ __device__ __forceinline__ void stage_dot(const MvParams& p, const uint8_t* cons
   }
 }
 
-// The same for a group whose two rows have different types (SwiGLU of two types): each row
-// on its own, with the arithmetic of stage_dot (so each row's result is the same as there).
-template <int NR>
-__device__ __forceinline__ void stage_dot_mixed(const MvParams& p, const GgmlType (&type)[2],
-                                                const uint8_t* const (&base)[2], int n_pc, int64_t k0,
-                                                const int32_t (&xoff)[NR], float (&acc)[2][NR][2], int lane) {
+// The same for a group whose rows have different types (SwiGLU of two types): each row on
+// its own, with the arithmetic of stage_dot (so each row's result is the same as there).
+template <int NR, int RPG>
+__device__ __forceinline__ void stage_dot_mixed(const MvParams& p, const GgmlType (&type)[RPG],
+                                                const uint8_t* const (&base)[RPG], int n_pc, int64_t k0,
+                                                const int32_t (&xoff)[NR], float (&acc)[RPG][NR], int lane) {
 #pragma unroll
-  for (int rr = 0; rr < 2; ++rr) {
+  for (int rr = 0; rr < RPG; ++rr) {
     const uint8_t* const b1[1] = {base[rr]};
-    float a1[1][NR][2];
+    float a1[1][NR];
 #pragma unroll
-    for (int r = 0; r < NR; ++r) a1[0][r][0] = acc[rr][r][0], a1[0][r][1] = acc[rr][r][1];
+    for (int r = 0; r < NR; ++r) a1[0][r] = acc[rr][r];
     with_type(type[rr], [&](auto tag) { stage_dot<decltype(tag)::value, NR, 1>(p, b1, n_pc, k0, xoff, a1, lane); });
 #pragma unroll
-    for (int r = 0; r < NR; ++r) acc[rr][r][0] = a1[0][r][0], acc[rr][r][1] = a1[0][r][1];
+    for (int r = 0; r < NR; ++r) acc[rr][r] = a1[0][r];
   }
 }
 
+// Blocks per multiprocessor the kernel is compiled for (registers per thread follow).
+constexpr int mv_min_blocks(int nr, int rpg) { return nr * rpg == 1 ? 4 : nr == 1 ? 3 : nr * rpg >= 16 ? 1 : 2; }
+
 // RPG weight rows per group (8*RPG staged rows per CTA) times NR rows of x.
-// Store/Accumulate: group g has rows o0 + RPG*g + rr of one weight. SwiGLU (RPG = 2): gate
-// row o0 + g (rr = 0) and up row o0 + g (rr = 1).
+// Store/Accumulate: group g has rows o0 + RPG*g + rr of one weight. SwiGLU (RPG even): the
+// group has output rows o0 + (RPG/2)*g + j, j < RPG/2, as gate row (rr = 2j) and up row
+// (rr = 2j + 1).
 // Each group streams its own rows through its own part of shared memory (kStages buffers
 // per row), so the groups never wait for each other inside the K loop.
+//
+// Programmatic dependent launch (sm_90): the weight copies of the first stages are issued
+// before gpu_grid_wait(), so they overlap the end of the kernel this one depends on; x, the
+// norm weight and y are touched only after it.
 template <int NR, int RPG>
-__global__ void __launch_bounds__(kThreads, NR * RPG == 1 ? 4 : NR == 1 ? 3 : NR * RPG >= 8 ? 1 : 2) matvec_kernel(const MvParams p) {
+__global__ void __launch_bounds__(kThreads, mv_min_blocks(NR, RPG)) matvec_kernel(const MvParams p) {
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ float red[kGroup];
   __shared__ float inv[NR];  // fused RMSNorm factor of each row (1 without the norm)
@@ -255,6 +264,43 @@ __global__ void __launch_bounds__(kThreads, NR * RPG == 1 ? 4 : NR == 1 ? 3 : NR
   int32_t xoff[NR];  // x row offsets; rows past n repeat row n-1, their results are dropped
 #pragma unroll
   for (int r = 0; r < NR; ++r) xoff[r] = (int32_t)(min(row0 + r, p.n - 1) * K);
+
+  // this group's rows
+  MvWeight w0 = p.w[0];
+  int64_t o_first;  // output row of rr = 0
+  if (swiglu) {
+    o_first = ((int64_t)blockIdx.x * kWarps + warp) * (RPG / 2);
+  } else {
+    if (p.n_w > 1 && (int)blockIdx.x >= p.w[1].cta0) w0 = p.w[1];
+    if (p.n_w > 2 && (int)blockIdx.x >= p.w[2].cta0) w0 = p.w[2];
+    o_first = (int64_t)(blockIdx.x - w0.cta0) * kWarps * RPG + (int64_t)warp * RPG;
+  }
+  GroupRow gr[RPG];
+  GgmlType type[RPG];
+#pragma unroll
+  for (int rr = 0; rr < RPG; ++rr) {
+    MvWeight w = w0;
+    if (swiglu && (rr & 1)) w = p.w[1];
+    const int64_t o = min(swiglu ? o_first + rr / 2 : o_first + rr, w.n_out - 1);  // clamped; dropped at the end
+    gr[rr] = GroupRow{w.data + (size_t)o * w.stride, w.end, w.stage_bytes, w.last_bytes, w.type};
+    type[rr] = w.type;
+  }
+  const int se = p.stage_elems, pitch = p.pitch;
+  const int n_st = (int)((K + se - 1) / se);
+  uint8_t* mine = smem + (size_t)warp * RPG * kStages * pitch;  // [RPG][kStages][pitch]
+  auto issue = [&](int st) {
+    if (st < n_st) {
+#pragma unroll
+      for (int rr = 0; rr < RPG; ++rr)
+        stage_copy(gr[rr], st, st == n_st - 1, mine + (rr * kStages + st % kStages) * pitch, lane);
+    }
+    cp_commit();  // (an empty group past the end keeps the count uniform)
+  };
+#pragma unroll
+  for (int st = 0; st < kStages - 1; ++st) issue(st);  // weights only: before the wait
+
+  gpu_grid_wait();
+  gpu_grid_launch_dependents();
 
   // inv_r = 1/sqrt(mean(x_r^2) + eps): one fixed-order CTA reduction per row, the same in
   // every CTA and for every n
@@ -271,47 +317,15 @@ __global__ void __launch_bounds__(kThreads, NR * RPG == 1 ? 4 : NR == 1 ? 3 : NR
     if (threadIdx.x == 0) inv[r] = v;
   }
 
-  // this group's rows
-  MvWeight w0 = p.w[0];
-  int64_t o_first;  // output row of rr = 0
-  if (swiglu) {
-    o_first = (int64_t)blockIdx.x * kWarps + warp;
-  } else {
-    if (p.n_w > 1 && (int)blockIdx.x >= p.w[1].cta0) w0 = p.w[1];
-    if (p.n_w > 2 && (int)blockIdx.x >= p.w[2].cta0) w0 = p.w[2];
-    o_first = (int64_t)(blockIdx.x - w0.cta0) * kWarps * RPG + (int64_t)warp * RPG;
-  }
-  GroupRow gr[RPG];
-  GgmlType type[RPG];
-#pragma unroll
-  for (int rr = 0; rr < RPG; ++rr) {
-    MvWeight w = w0;
-    if (swiglu && rr == 1) w = p.w[1];
-    const int64_t o = min(swiglu ? o_first : o_first + rr, w.n_out - 1);  // clamped; dropped at the end
-    gr[rr] = GroupRow{w.data + (size_t)o * w.stride, w.end, w.stage_bytes, w.last_bytes, w.type};
-    type[rr] = w.type;
-  }
-  const int se = p.stage_elems, pitch = p.pitch;
-  const int n_st = (int)((K + se - 1) / se);
-  uint8_t* mine = smem + (size_t)warp * RPG * kStages * pitch;  // [RPG][kStages][pitch]
-  auto issue = [&](int st) {
-    if (st < n_st) {
-#pragma unroll
-      for (int rr = 0; rr < RPG; ++rr)
-        stage_copy(gr[rr], st, st == n_st - 1, mine + (rr * kStages + st % kStages) * pitch, lane);
-    }
-    cp_commit();  // (an empty group past the end keeps the count uniform)
-  };
-
-  float acc[RPG][NR][2];
+  float acc[RPG][NR];
 #pragma unroll
   for (int rr = 0; rr < RPG; ++rr)
 #pragma unroll
-    for (int r = 0; r < NR; ++r) acc[rr][r][0] = acc[rr][r][1] = 0.f;
-  const bool mixed = RPG == 2 && type[0] != type[RPG - 1];
-
+    for (int r = 0; r < NR; ++r) acc[rr][r] = 0.f;
+  bool mixed = false;
 #pragma unroll
-  for (int st = 0; st < kStages - 1; ++st) issue(st);
+  for (int rr = 1; rr < RPG; ++rr) mixed |= type[rr] != type[0];
+
   for (int st = 0; st < n_st; ++st) {
     cp_wait<kStages - 2>();  // stage st has landed (this lane's copies)
     group_sync();            // ... everyone's; and buffer (st-1) % kStages is free again
@@ -322,9 +336,9 @@ __global__ void __launch_bounds__(kThreads, NR * RPG == 1 ? 4 : NR == 1 ? 3 : NR
 #pragma unroll
     for (int rr = 0; rr < RPG; ++rr)
       base[rr] = mine + (rr * kStages + st % kStages) * pitch + ((uintptr_t)(gr[rr].src + (size_t)st * gr[rr].sb) & 15);
-    if constexpr (RPG == 2) {
+    if constexpr (RPG >= 2) {
       if (mixed) {
-        stage_dot_mixed<NR>(p, type, base, n_pc, k0, xoff, acc, lane);
+        stage_dot_mixed<NR, RPG>(p, type, base, n_pc, k0, xoff, acc, lane);
         continue;
       }
     }
@@ -337,18 +351,18 @@ __global__ void __launch_bounds__(kThreads, NR * RPG == 1 ? 4 : NR == 1 ? 3 : NR
 #pragma unroll
   for (int rr = 0; rr < RPG; ++rr)
 #pragma unroll
-    for (int r = 0; r < NR; ++r) acc[rr][r][0] = group_sum(acc[rr][r][0] + acc[rr][r][1]) * inv[r];
+    for (int r = 0; r < NR; ++r) acc[rr][r] = group_sum(acc[rr][r]) * inv[r];
 #pragma unroll
   for (int rr = 0; rr < RPG; ++rr)
 #pragma unroll
     for (int r = 0; r < NR; ++r) {
-      if (lane != rr * NR + r || row0 + r >= p.n) continue;
+      if (lane != (rr * NR + r) % kGroup || row0 + r >= p.n) continue;
       float* yr = p.y + (row0 + r) * p.ldy;
       if (swiglu) {
-        const int64_t o = o_first;
-        if constexpr (RPG == 2) {
-          if (rr != 0 || o >= p.w[0].n_out) continue;
-          float g = acc[0][r][0], u = acc[1][r][0];
+        if constexpr (RPG % 2 == 0) {
+          const int64_t o = o_first + rr / 2;
+          if ((rr & 1) || o >= p.w[0].n_out) continue;
+          float g = acc[rr][r], u = acc[rr | 1][r];
           if (p.w[0].bias) g += p.w[0].bias[o];
           if (p.w[1].bias) u += p.w[1].bias[o];
           yr[o] = g / (1.f + __expf(-g)) * u;
@@ -356,7 +370,7 @@ __global__ void __launch_bounds__(kThreads, NR * RPG == 1 ? 4 : NR == 1 ? 3 : NR
       } else {
         const int64_t o = o_first + rr;
         if (o >= w0.n_out) continue;
-        float v = acc[rr][r][0];
+        float v = acc[rr][r];
         if (w0.bias) v += w0.bias[o];
         if (p.ep == Epilogue::Accumulate) yr[w0.col + o] += v;
         else yr[w0.col + o] = v;
@@ -385,6 +399,8 @@ __device__ __forceinline__ void embed_row(const GpuWeight& w, int64_t tok, float
 }
 
 __global__ void __launch_bounds__(kThreads) embed_kernel(const GpuWeight w, const int32_t* tokens, float* out) {
+  gpu_grid_wait();  // (programmatic dependent launch: vendor.cuh)
+  gpu_grid_launch_dependents();
   const int64_t i = blockIdx.x;
   const int32_t tok = tokens[i];
   float* o = out + i * w.n_in;
@@ -463,17 +479,33 @@ void launch_matvec(const MvParams& p, int ctas, size_t smem, gpuStream_t s) {
   static std::once_flag once;  // allow the largest staging buffer once per kernel
   std::call_once(once, [] {
     SPECD_GPU_CHECK(gpuFuncSetAttribute((matvec_kernel<NR, RPG>), gpuFuncAttributeMaxDynamicSharedMemorySize,
-                                        (int)kMaxSmem));
+                                        (int)max_smem(RPG)));
   });
   const dim3 grid((unsigned)ctas, (unsigned)ceil_div(p.n, NR));
-  matvec_kernel<NR, RPG><<<grid, kThreads, smem, s>>>(p);
-  SPECD_GPU_LAUNCHED("matvec_kernel");
+  gpu_launch("matvec_kernel", matvec_kernel<NR, RPG>, grid, dim3(kThreads), smem, s, p);
 }
 
+// The compiled (NR, RPG) pairs: RPG 1 or 2 for tiles of up to 4 rows of x, 2 or 4 for 8 and
+// 16 (more weight rows share each x load there).
 template <int NR>
 void launch_matvec(const MvParams& p, int rpg, int ctas, size_t smem, gpuStream_t s) {
-  if (rpg == 2) launch_matvec<NR, 2>(p, ctas, smem, s);
-  else launch_matvec<NR, 1>(p, ctas, smem, s);
+  if constexpr (NR <= 4) {
+    if (rpg == 2) launch_matvec<NR, 2>(p, ctas, smem, s);
+    else launch_matvec<NR, 1>(p, ctas, smem, s);
+  } else {
+    if (rpg == 4) launch_matvec<NR, 4>(p, ctas, smem, s);
+    else launch_matvec<NR, 2>(p, ctas, smem, s);
+  }
+}
+
+// Largest tile of x rows (1, 2, 4, 8 or 16; SPECD_GPU_MAX_TILE lowers it, for benchmarks).
+int max_tile() {
+  static const int v = [] {
+    const char* e = std::getenv("SPECD_GPU_MAX_TILE");
+    const int t = e ? std::atoi(e) : 16;
+    return t >= 16 ? 16 : t >= 8 ? 8 : t >= 4 ? 4 : t >= 2 ? 2 : 1;
+  }();
+  return v;
 }
 
 }  // namespace
@@ -494,7 +526,7 @@ void linear(const LinearArgs& a, gpuStream_t s) {
   p.ldy = a.ldy;
   p.n = a.n;
   p.K = a.w[0]->n_in;
-  const int nr = a.n == 1 ? 1 : a.n == 2 ? 2 : 4;
+  const int nr = std::min<int>(max_tile(), a.n <= 1 ? 1 : a.n <= 2 ? 2 : a.n <= 4 ? 4 : a.n <= 8 ? 8 : 16);
   const int64_t tiles = ceil_div(a.n, nr);
   int se = 1024;
   for (int j = 0; j < a.n_w; ++j) se = std::min(se, stage_elems_for(a.w[j]->type));
@@ -516,15 +548,21 @@ void linear(const LinearArgs& a, gpuStream_t s) {
     col += w.n_out;
     p.pitch = std::max(p.pitch, stage_pitch(w.type, se));
   }
-  // 16 rows per CTA unless that leaves fewer than ~2 CTAs per SM of a large GPU
-  int rpg = 2;
+  // Weight rows per group: tiles of up to 4 x rows take 2 (16 rows per CTA) unless that
+  // leaves fewer than ~2 CTAs per SM; tiles of 8 and 16 take 4 (each x load feeds 4 rows)
+  // unless that leaves fewer CTAs than SMs. SwiGLU counts gate and up rows: 2 or 4.
+  const int64_t sms = dev_limits().sms;
+  const int hi = nr <= 4 ? 2 : 4, lo = hi / 2;
+  int rpg = hi;
   int64_t ctas = 0;
   if (a.ep == Epilogue::SwiGLU) {
-    ctas = ceil_div(a.w[0]->n_out, kWarps);
+    if (nr > 4 && ceil_div(a.w[0]->n_out, (int64_t)kWarps * 2) * tiles < sms) rpg = 2;
+    if (nr <= 4) rpg = 2;
+    ctas = ceil_div(a.w[0]->n_out, (int64_t)kWarps * (rpg / 2));
   } else {
-    int64_t c2 = 0;
-    for (int j = 0; j < a.n_w; ++j) c2 += ceil_div(a.w[j]->n_out, 2 * kWarps);
-    rpg = c2 * tiles >= 264 ? 2 : 1;
+    int64_t c_hi = 0;
+    for (int j = 0; j < a.n_w; ++j) c_hi += ceil_div(a.w[j]->n_out, (int64_t)hi * kWarps);
+    rpg = c_hi * tiles >= (nr <= 4 ? 2 * sms : sms) ? hi : lo;
     for (int j = 0; j < a.n_w; ++j) {
       p.w[j].cta0 = (int32_t)ctas;
       ctas += ceil_div(a.w[j]->n_out, (int64_t)kWarps * rpg);
@@ -536,7 +574,9 @@ void linear(const LinearArgs& a, gpuStream_t s) {
   switch (nr) {
     case 1: launch_matvec<1>(p, rpg, (int)ctas, smem, s); break;
     case 2: launch_matvec<2>(p, rpg, (int)ctas, smem, s); break;
-    default: launch_matvec<4>(p, rpg, (int)ctas, smem, s); break;
+    case 4: launch_matvec<4>(p, rpg, (int)ctas, smem, s); break;
+    case 8: launch_matvec<8>(p, rpg, (int)ctas, smem, s); break;
+    default: launch_matvec<16>(p, rpg, (int)ctas, smem, s); break;
   }
 }
 
@@ -547,8 +587,7 @@ void embed_rows(const GpuWeight& w, const int32_t* d_tokens, int64_t n, float* o
   SPECD_CHECK(d_tokens != nullptr && out != nullptr, "embed_rows: tokens and out must be device pointers");
   SPECD_CHECK((uintptr_t)out % 16 == 0, "embed_rows: out must be 16-byte aligned");
   SPECD_CHECK(n < (int64_t)1 << 31, "embed_rows: too many tokens");
-  embed_kernel<<<(unsigned)n, kThreads, 0, s>>>(w, d_tokens, out);
-  SPECD_GPU_LAUNCHED("embed_kernel");
+  gpu_launch("embed_kernel", embed_kernel, dim3((unsigned)n), dim3(kThreads), 0, s, w, d_tokens, out);
 }
 
 // ---- testing entry points (host arrays)

@@ -42,6 +42,8 @@ __device__ __forceinline__ double block_sum_f64(double v, double* scratch) {
 template <bool VEC4>
 __global__ void __launch_bounds__(kNormThreads) rmsnorm_kernel(const float* x, const float* w, float* y,
                                                                int64_t dim, float eps) {
+  gpu_grid_wait();  // (programmatic dependent launch: vendor.cuh)
+  gpu_grid_launch_dependents();
   __shared__ double scratch[kNormThreads / kGroup];
   const float* xr = x + blockIdx.x * dim;
   float* yr = y + blockIdx.x * dim;
@@ -86,12 +88,8 @@ void rmsnorm(const float* x, const float* w, float* y, int64_t rows, int64_t dim
   if (rows == 0) return;
   if (!x || !w || !y) throw Error("rmsnorm: x, w and y must be device pointers, got a null one");
   const bool vec4 = dim % 4 == 0 && ((uintptr_t)x % 16 == 0) && ((uintptr_t)y % 16 == 0) && ((uintptr_t)w % 16 == 0);
-  if (vec4) {
-    rmsnorm_kernel<true><<<(unsigned)rows, kNormThreads, 0, s>>>(x, w, y, dim, eps);
-  } else {
-    rmsnorm_kernel<false><<<(unsigned)rows, kNormThreads, 0, s>>>(x, w, y, dim, eps);
-  }
-  SPECD_GPU_LAUNCHED("rmsnorm_kernel");
+  gpu_launch("rmsnorm_kernel", vec4 ? rmsnorm_kernel<true> : rmsnorm_kernel<false>, dim3((unsigned)rows),
+             dim3(kNormThreads), 0, s, x, w, y, dim, eps);
 }
 
 // ---- testing entry point (cuda/testing.h)

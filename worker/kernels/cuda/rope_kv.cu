@@ -62,6 +62,8 @@ __device__ __forceinline__ void store_kv(void* cache, bool f16, int64_t idx, flo
 // ---- kernel
 
 __global__ void __launch_bounds__(kRopeThreads) rope_kv_kernel(const RopeKvParams P) {
+  gpu_grid_wait();  // (programmatic dependent launch: vendor.cuh)
+  gpu_grid_launch_dependents();
   __shared__ double cs[2 * kMaxPairs];  // [half, (cos, sin)] of this row's position
   const int64_t r = blockIdx.y;
   const int64_t pos = (int64_t)*P.d_pos0 + r;
@@ -223,8 +225,7 @@ void rope_kv(const RopeKvArgs& a, gpuStream_t s) {
 
   const int heads = a.n_heads + 2 * a.n_kv_heads;
   const dim3 grid((unsigned)ceil_div(heads, kHeadsPerBlock), (unsigned)a.n);
-  rope_kv_kernel<<<grid, kRopeThreads, 0, s>>>(P);
-  SPECD_GPU_LAUNCHED("rope_kv_kernel");
+  gpu_launch("rope_kv_kernel", rope_kv_kernel, grid, dim3(kRopeThreads), 0, s, P);
 }
 
 // ---- testing entry point (cuda/testing.h)

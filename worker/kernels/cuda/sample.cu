@@ -1,12 +1,12 @@
-// specd/cuda/sample.cu: what runs on the logits on the device, one block per row:
-//  * argmax_rows: the lowest index of the largest logit, the result of the CPU sampler's
+// specd/cuda/sample.cu: what runs on the logits on the device:
+//  * argmax_rows (blocks over segments of each row, the last to finish reduces the row): the lowest index of the largest logit, the result of the CPU sampler's
 //    strict-greater scan (engine/sampler.cpp argmax). Each thread keeps the best (value, index)
 //    of its elements under "greater value, or equal value and lower index"; the block then
-//    reduces these pairs under the same order, which is total on non-NaN values, so the result
+//    reduces these pairs under the same order (and the row's segments after it), which is total on non-NaN values, so the result
 //    does not depend on the reduction order. NaN: the CPU scan never moves away from a NaN at
 //    index 0 and never moves onto a NaN elsewhere; so here NaNs are skipped and a row whose
 //    element 0 is NaN answers 0 (also when every element is NaN). -0 and +0 tie (lowest index).
-//  * softmax_rows: y = exp(x - max) / sum, the sum of the float exps in double and one float
+//  * softmax_rows (one block per row): y = exp(x - max) / sum, the sum of the float exps in double and one float
 //    multiply by (float)(1 / sum), as cpu/softmax.cpp; x - max is taken exactly (TwoSum) and
 //    exp is ~2 ulp, independent of |x - max|. -inf entries give 0.
 #include <climits>
@@ -22,6 +22,22 @@ namespace {
 
 constexpr int kRowThreads = 1024;
 constexpr int kRowGroups = kRowThreads / kGroup;
+constexpr int kArgThreads = 256;
+constexpr int kArgGroups = kArgThreads / kGroup;
+constexpr int64_t kArgSegment = 8192;  // logits per argmax block
+
+// Where the argmax blocks of a row meet. Row r owns bytes [r * stride, (r + 1) * stride) of
+// the workspace: its counter, then a pair per segment. The layout does not depend on n, so
+// a call with fewer rows never writes over the counters of rows a later call uses.
+struct ArgmaxWork {
+  uint8_t* base;
+  int64_t stride;  // bytes per row
+  __device__ unsigned* count(int64_t r) const { return reinterpret_cast<unsigned*>(base + r * stride); }
+  __device__ float* val(int64_t r) const { return reinterpret_cast<float*>(base + r * stride + 16); }
+  __device__ int32_t* idx(int64_t r, int64_t segs) const { return reinterpret_cast<int32_t*>(val(r) + segs); }
+};
+int64_t argmax_segments(int64_t nv) { return (nv + kArgSegment - 1) / kArgSegment; }
+int64_t argmax_row_bytes(int64_t nv) { return 16 * ((16 + 8 * argmax_segments(nv) + 15) / 16); }
 
 // exp(x - c) for x <= c (same helper as attention.cu's): x - c exact by TwoSum, 2^t
 // corrected for the rounding of t = (x - c) log2 e; 0 below e^-104.
@@ -55,17 +71,52 @@ __device__ __forceinline__ void consider(float v, int32_t i, float& bv, int32_t&
 
 // ---- kernels
 
-// grid = n rows, block = kRowThreads. VEC4: rows of a multiple of 4 floats, 16-byte aligned.
+// Pairs (v, i) -> the best of the group under `beats` (total on non-NaN values: the result
+// does not depend on the order).
+__device__ __forceinline__ void group_best(float& bv, int32_t& bi) {
+#pragma unroll
+  for (int m = kGroup / 2; m > 0; m >>= 1) {
+    const float ov = gpu_shfl_xor(bv, m);
+    const int32_t oi = gpu_shfl_xor(bi, m);
+    consider(ov, oi, bv, bi);
+  }
+}
+
+// The same over the block (kArgThreads), on every thread.
+__device__ __forceinline__ void block_best(float& bv, int32_t& bi, float* sv, int32_t* si) {
+  const int lane = threadIdx.x % kGroup, g = threadIdx.x / kGroup;
+  group_best(bv, bi);
+  __syncthreads();
+  if (lane == 0) {
+    sv[g] = bv;
+    si[g] = bi;
+  }
+  __syncthreads();
+  bv = lane < kArgGroups ? sv[lane] : -INFINITY;
+  bi = lane < kArgGroups ? si[lane] : INT_MAX;
+  group_best(bv, bi);
+}
+
+// grid = (segments of kArgSegment elements, n rows), block = kArgThreads. Each block writes
+// the best pair of its segment to the workspace; the last block of a row to finish (a ticket
+// from the row's counter) reduces the row's pairs, writes out[row] and sets the counter back
+// to 0 for the next call. VEC4: rows of a multiple of 4 floats, 16-byte aligned.
 template <bool VEC4>
-__global__ void __launch_bounds__(kRowThreads) argmax_kernel(const float* logits, int64_t nv, int32_t* out) {
-  __shared__ float sv[kRowGroups];
-  __shared__ int32_t si[kRowGroups];
-  const float* x = logits + blockIdx.x * nv;
+__global__ void __launch_bounds__(kArgThreads) argmax_kernel(const float* logits, int64_t nv, int32_t* out,
+                                                            ArgmaxWork w) {
+  gpu_grid_wait();  // (programmatic dependent launch: vendor.cuh)
+  gpu_grid_launch_dependents();
+  __shared__ float sv[kArgGroups];
+  __shared__ int32_t si[kArgGroups];
+  __shared__ bool last;
+  const int64_t row = blockIdx.y, seg = blockIdx.x, n_seg = gridDim.x;
+  const float* x = logits + row * nv;
+  const int64_t k0 = seg * kArgSegment, k1 = min(nv, k0 + kArgSegment);
   float bv = -INFINITY;
   int32_t bi = INT_MAX;  // none yet: any non-NaN value beats it (-inf ties and wins on index)
   if (VEC4) {
     const float4* x4 = reinterpret_cast<const float4*>(x);
-    for (int64_t k = threadIdx.x; k < nv / 4; k += kRowThreads) {
+    for (int64_t k = k0 / 4 + threadIdx.x; k < k1 / 4; k += kArgThreads) {
       const float4 v = x4[k];
       const int32_t i = (int32_t)(4 * k);
       consider(v.x, i, bv, bi);
@@ -74,30 +125,30 @@ __global__ void __launch_bounds__(kRowThreads) argmax_kernel(const float* logits
       consider(v.w, i + 3, bv, bi);
     }
   } else {
-    for (int64_t k = threadIdx.x; k < nv; k += kRowThreads) consider(x[k], (int32_t)k, bv, bi);
+    for (int64_t k = k0 + threadIdx.x; k < k1; k += kArgThreads) consider(x[k], (int32_t)k, bv, bi);
   }
-#pragma unroll
-  for (int m = kGroup / 2; m > 0; m >>= 1) {
-    const float ov = gpu_shfl_xor(bv, m);
-    const int32_t oi = gpu_shfl_xor(bi, m);
-    consider(ov, oi, bv, bi);
-  }
-  const int lane = threadIdx.x % kGroup, g = threadIdx.x / kGroup;
-  if (lane == 0) {
-    sv[g] = bv;
-    si[g] = bi;
+  block_best(bv, bi, sv, si);
+  if (threadIdx.x == 0) {
+    w.val(row)[seg] = bv;
+    w.idx(row, n_seg)[seg] = bi;
+    __threadfence();  // the pair is visible before the ticket is taken
+    const unsigned ticket = atomicAdd(w.count(row), 1u);
+    last = ticket == (unsigned)(n_seg - 1);
   }
   __syncthreads();
-  if (g == 0) {
-    bv = sv[lane];  // kRowGroups == kGroup
-    bi = si[lane];
-#pragma unroll
-    for (int m = kGroup / 2; m > 0; m >>= 1) {
-      const float ov = gpu_shfl_xor(bv, m);
-      const int32_t oi = gpu_shfl_xor(bi, m);
-      consider(ov, oi, bv, bi);
-    }
-    if (lane == 0) out[blockIdx.x] = (is_nan(x[0]) || bi == INT_MAX) ? 0 : bi;  // NaN at 0: the CPU's 0
+  if (!last) return;
+  __threadfence();
+  bv = -INFINITY;
+  bi = INT_MAX;
+  for (int64_t j = threadIdx.x; j < n_seg; j += kArgThreads) {
+    const volatile float* vv = w.val(row);
+    const volatile int32_t* vi = w.idx(row, n_seg);
+    consider(vv[j], vi[j], bv, bi);
+  }
+  block_best(bv, bi, sv, si);
+  if (threadIdx.x == 0) {
+    out[row] = (is_nan(x[0]) || bi == INT_MAX) ? 0 : bi;  // NaN at 0: the CPU's 0
+    *w.count(row) = 0;
   }
 }
 
@@ -122,6 +173,8 @@ __device__ __forceinline__ double block_sum_f64(double v, double* scratch) {
 
 template <bool VEC4>
 __global__ void __launch_bounds__(kRowThreads) softmax_kernel(float* xs, int64_t nv) {
+  gpu_grid_wait();  // (programmatic dependent launch: vendor.cuh)
+  gpu_grid_launch_dependents();
   __shared__ float smax[kRowGroups];
   __shared__ double ssum[kRowGroups];
   float* x = xs + blockIdx.x * nv;
@@ -176,21 +229,30 @@ void check_rows(const char* op, const void* p, int64_t n, int64_t nv) {
 
 // ---- launchers
 
-void argmax_rows(const float* logits, int64_t n, int64_t nv, int32_t* out, gpuStream_t s) {
+size_t argmax_workspace_bytes(int64_t n, int64_t nv) {
+  if (n <= 0 || nv <= 0) return 0;
+  return (size_t)(n * argmax_row_bytes(nv));
+}
+
+void argmax_rows(const float* logits, int64_t n, int64_t nv, int32_t* out, void* work, gpuStream_t s) {
   check_rows("argmax_rows", logits, n, nv);
   if (n == 0) return;
   if (!out) throw Error("argmax_rows: null output pointer");
-  if (nv % 4 == 0 && (uintptr_t)logits % 16 == 0) argmax_kernel<true><<<(unsigned)n, kRowThreads, 0, s>>>(logits, nv, out);
-  else argmax_kernel<false><<<(unsigned)n, kRowThreads, 0, s>>>(logits, nv, out);
-  SPECD_GPU_LAUNCHED("argmax_kernel");
+  if (!work) throw Error("argmax_rows: null workspace (argmax_workspace_bytes(n, nv) bytes, zeroed once)");
+  SPECD_CHECK(n <= 65535, "argmax_rows: at most 65535 rows per call, got " + std::to_string(n));
+  const int64_t segs = argmax_segments(nv);
+  const ArgmaxWork w{static_cast<uint8_t*>(work), argmax_row_bytes(nv)};
+  const bool vec4 = nv % 4 == 0 && (uintptr_t)logits % 16 == 0;
+  gpu_launch("argmax_kernel", vec4 ? argmax_kernel<true> : argmax_kernel<false>, dim3((unsigned)segs, (unsigned)n),
+             dim3(kArgThreads), 0, s, logits, nv, out, w);
 }
 
 void softmax_rows(float* x, int64_t n, int64_t nv, gpuStream_t s) {
   check_rows("softmax_rows", x, n, nv);
   if (n == 0) return;
-  if (nv % 4 == 0 && (uintptr_t)x % 16 == 0) softmax_kernel<true><<<(unsigned)n, kRowThreads, 0, s>>>(x, nv);
-  else softmax_kernel<false><<<(unsigned)n, kRowThreads, 0, s>>>(x, nv);
-  SPECD_GPU_LAUNCHED("softmax_kernel");
+  const bool vec4 = nv % 4 == 0 && (uintptr_t)x % 16 == 0;
+  gpu_launch("softmax_kernel", vec4 ? softmax_kernel<true> : softmax_kernel<false>, dim3((unsigned)n),
+             dim3(kRowThreads), 0, s, x, nv);
 }
 
 // ---- testing entry points (cuda/testing.h)
@@ -200,9 +262,11 @@ namespace testing {
 void argmax_rows(const float* logits, int64_t n, int64_t nv, int32_t* out) {
   check_rows("argmax_rows", logits, n, nv);
   const size_t bytes = sizeof(float) * (size_t)(n * nv);
-  DeviceBuffer dx(bytes), dout(sizeof(int32_t) * (size_t)n);
+  DeviceBuffer dx(bytes), dout(sizeof(int32_t) * (size_t)n), work(argmax_workspace_bytes(n, nv) + 16);
   to_device(dx.get(), logits, bytes);
-  gpu::argmax_rows(dx.get<float>(), n, nv, dout.get<int32_t>(), nullptr);
+  SPECD_GPU_CHECK(gpuMemset(work.get(), 0, work.size()));
+  for (int rep = 0; rep < 2; ++rep)  // twice: the second call finds the counters back at 0
+    gpu::argmax_rows(dx.get<float>(), n, nv, dout.get<int32_t>(), work.get(), nullptr);
   SPECD_GPU_CHECK(gpuDeviceSynchronize());
   to_host(out, dout.get(), sizeof(int32_t) * (size_t)n);
 }

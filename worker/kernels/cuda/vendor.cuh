@@ -124,8 +124,56 @@ using gpu_bf16 = __nv_bfloat16;
 #define SPECD_WMMA 0
 #endif
 
+// Programmatic dependent launch (NVIDIA sm_90+): a kernel launched with it (gpu_launch in
+// common.cuh) may start while the kernel before it on the stream is still running.
+// gpu_grid_wait() blocks until that kernel has finished and its writes are visible: every
+// kernel calls it before it reads anything an earlier kernel wrote or writes anything an
+// earlier kernel reads (only immutable data, the weights, may be touched before).
+// gpu_grid_launch_dependents() lets the next kernel start launching. Both are no-ops
+// elsewhere and when the kernel was launched without the attribute.
+#if !SPECD_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define SPECD_PDL_DEVICE 1
+#else
+#define SPECD_PDL_DEVICE 0
+#endif
+
 namespace specd {
 namespace gpu {
+
+__device__ __forceinline__ void gpu_grid_wait() {
+#if SPECD_PDL_DEVICE
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void gpu_grid_launch_dependents() {
+#if SPECD_PDL_DEVICE
+  asm volatile("griddepcontrol.launch_dependents;\n" :::);
+#endif
+}
+
+// Launches kernel<<<grid, block, smem, s>>>(args...), with programmatic dependent launch
+// where `pdl` is set (CUDA only; the caller decides by the device's compute capability).
+template <class... P, class... A>
+inline gpuError_t gpu_launch_kernel(bool pdl, void (*kernel)(P...), dim3 grid, dim3 block, size_t smem,
+                                    gpuStream_t s, A&&... args) {
+#if SPECD_HIP
+  (void)pdl;
+  hipLaunchKernelGGL(kernel, grid, block, smem, s, static_cast<P>(args)...);
+  return hipGetLastError();
+#else
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, static_cast<P>(args)...);
+#endif
+}
 
 constexpr int kGroup = 32;  // lanes that cooperate through shuffles (see the header)
 
