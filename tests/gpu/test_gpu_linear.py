@@ -401,3 +401,63 @@ def test_errors_leave_the_device_usable(rng: np.random.Generator) -> None:
     y = gpu([a], [None], x)
     wf = dequant(a[0], a[1], 4, 64)
     check(y, x.astype(np.float64) @ wf.T, small_bound(np.abs(x.astype(np.float64)), np.abs(wf)), "after error")
+
+
+# ---- the tensor-core small path (F16 weights, K a multiple of 32, NVIDIA sm_80+): x split
+# into two fp16 halves after a power-of-two scaling per row, float32 MMA accumulation
+
+@pytest.mark.parametrize("n", [1, 3, 9, 17, 40, 64])
+def test_tensor_core_f16_matches_float64(n: int, rng: np.random.Generator) -> None:
+    # Rows of x from 1e-7 to 1e7 in size: the per-row scaling keeps every one in fp16's range.
+    n_in = 2080
+    specs = [(T.F16, 96), (T.F16, 40), (T.F16, 72)]
+    ws = [(t, random_weight(rng, t, m, n_in), m, n_in) for t, m in specs]
+    biases = [rng.standard_normal(96, dtype=np.float32), None, rng.standard_normal(72, dtype=np.float32)]
+    mags = 10.0 ** rng.uniform(-7, 7, (n, 1))
+    x = (rng.standard_normal((n, n_in)) * mags).astype(np.float32)
+    y = gpu(ws, biases, x)
+    x64, col = x.astype(np.float64), 0
+    for (t, w, m, _), b in zip(ws, biases):
+        wf = dequant(t, w, m, n_in)
+        want = x64 @ wf.T + (0 if b is None else b.astype(np.float64))
+        # the split keeps 22 bits of each scaled x: 4 more roundings per product
+        bound = small_bound(np.abs(x64), np.abs(wf), 4) + 2 * U * np.abs(want)
+        check(y[:, col:col + m], want, bound, f"tc n={n}")
+        col += m
+
+
+@pytest.mark.parametrize("n", [1, 6, 33])
+def test_tensor_core_f16_norm_swiglu_accumulate(n: int, rng: np.random.Generator) -> None:
+    n_in, n_out, eps = 1024, 80, 1e-6
+    x = (rng.standard_normal((n, n_in)) * rng.uniform(0.1, 300, (n, 1))).astype(np.float32)
+    norm_w = rng.uniform(-2, 2, n_in).astype(np.float32)
+    wg, wu = (random_weight(rng, T.F16, n_out, n_in) for _ in range(2))
+    ws = [(T.F16, wg, n_out, n_in), (T.F16, wu, n_out, n_in)]
+    x64 = x.astype(np.float64)
+    xn = x64 / np.sqrt((x64 * x64).mean(1, keepdims=True) + eps) * norm_w
+    y = gpu(ws, [None, None], x, norm_w=norm_w, eps=eps, epilogue=2)
+    g64, u64 = xn @ dequant(T.F16, wg, n_out, n_in).T, xn @ dequant(T.F16, wu, n_out, n_in).T
+    extra = n_in / 256 + 48 + 4
+    bg = small_bound(np.abs(xn), np.abs(dequant(T.F16, wg, n_out, n_in)), extra) + 2 * U * np.abs(g64)
+    bu = small_bound(np.abs(xn), np.abs(dequant(T.F16, wu, n_out, n_in)), extra) + 2 * U * np.abs(u64)
+    check(y, swiglu64(g64, u64), swiglu_tol(g64, u64, bg, bu), f"tc swiglu n={n}")
+    y0 = rng.standard_normal((n, n_out), dtype=np.float32)
+    y = gpu(ws[:1], [None], x, epilogue=1, y=y0)
+    wf = dequant(T.F16, wg, n_out, n_in)
+    want = y0 + x64 @ wf.T
+    check(y, want, small_bound(np.abs(x64), np.abs(wf), 4) + 2 * U * (np.abs(want) + np.abs(y0)), f"tc acc n={n}")
+
+
+@pytest.mark.parametrize("epilogue", [0, 2])
+def test_tensor_core_f16_batch_invariant(epilogue: int, rng: np.random.Generator) -> None:
+    # 4800 rows: 32 weight rows per CTA (two m-tiles share the x fragments) for Store, 16 for
+    # SwiGLU's 2400; rows of x in every column of 1 to 8 MMA column tiles.
+    n_in = 256
+    n_out = 4800 if epilogue == 0 else 2400
+    ws = [(T.F16, random_weight(rng, T.F16, n_out, n_in), n_out, n_in) for _ in range(1 + (epilogue == 2))]
+    x = (rng.standard_normal((MAX_SMALL, n_in)) * 10.0 ** rng.uniform(-3, 3, (MAX_SMALL, 1))).astype(np.float32)
+    kw = dict(norm_w=rng.uniform(0.5, 1.5, n_in).astype(np.float32), eps=1e-6, epilogue=epilogue)
+    alone = rows_alone(ws, [None] * len(ws), x, **kw)
+    for lo, hi in ((0, 64), (5, 14), (20, 37), (0, 8), (63, 64)):
+        np.testing.assert_array_equal(gpu(ws, [None] * len(ws), x[lo:hi], **kw).view(np.uint32),
+                                      alone[lo:hi].view(np.uint32))

@@ -29,6 +29,7 @@ struct DevLimits {
   size_t smem_per_block = 0;  // opt-in maximum of dynamic shared memory per block
   int sms = 0;                // multiprocessors
   bool pdl = false;           // programmatic dependent launch: sm_90+ and SPECD_GPU_PDL != "0"
+  bool mma = false;           // tensor-core mma.sync with fp16 inputs (NVIDIA sm_80+)
 };
 const DevLimits& dev_limits();
 

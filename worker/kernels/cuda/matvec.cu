@@ -38,6 +38,7 @@ namespace specd {
 namespace gpu {
 
 void matmul_large(const LinearArgs& a, gpuStream_t s);  // matmul.cu: n > kMaxSmallBatch
+bool tc_linear(const LinearArgs& a, gpuStream_t s);     // matvec_tc.cu: tensor cores, n <= kMaxSmallBatch
 
 namespace {
 
@@ -516,6 +517,7 @@ void linear(const LinearArgs& a, gpuStream_t s) {
     matmul_large(a, s);
     return;
   }
+  if (tc_linear(a, s)) return;
   MvParams p;
   p.n_w = a.n_w;
   p.ep = a.ep;
