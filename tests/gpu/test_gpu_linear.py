@@ -66,14 +66,16 @@ def gpu(ws, biases, x, norm_w=None, eps=0.0, epilogue=0, y=None) -> np.ndarray:
 def small_bound(ax: np.ndarray, aw: np.ndarray, extra: float = 0.0) -> np.ndarray:
     """|float32 GPU - exact| for the n <= 64 path, elementwise.
 
-    Each lane accumulates K/32 elements into one sum (K/256 pieces of 8: 8 fmas, or for a Scaled
-    piece two 4-term partials each added by one scale fma: K/32 roundings per term at most), then
-    a 5-level butterfly: at most K/32 + 16 roundings per product, so
-    |err| <= (K/32 + 16) u |x||W|^T.
+    CUDA-core path (matvec.cu): each lane accumulates K/32 elements into one sum (K/256
+    pieces of 8: 8 fmas, or for a Scaled piece two 4-term partials each added by one scale
+    fma: K/32 roundings per term at most), then a 5-level butterfly: at most K/32 + 16
+    roundings per product. Tensor-core path (matvec_tc.cu: F16, and Q8_0, Q4_K, Q6_K with
+    SPECD_GPU_TC=all; K % 32 == 0): x keeps 22 bits (4 roundings), then K/64 MMA accumulations per warp, a scale fma per
+    16 elements and 7 warp sums: fewer. So |err| <= (K/32 + 20) u |x||W|^T for both.
     `extra` adds roundings (fused norm: w*nw, the inv factor's own error).
     """
     k = ax.shape[1]
-    return 1.01 * (k / 32 + 16 + extra) * U * (ax @ aw.T)
+    return 1.01 * (k / 32 + 20 + extra) * U * (ax @ aw.T)
 
 
 def fp16_bound(ax: np.ndarray, aw: np.ndarray) -> np.ndarray:

@@ -37,6 +37,9 @@ using gpu::DeviceBuffer;
 using gpu::GpuWeight;
 
 constexpr size_t kAlign = 256;
+// A forward's inputs, one int32 buffer on the device and in pinned memory: the position at 0,
+// the tokens from kTok0 on (16-byte aligned), so that one copy carries both.
+constexpr int64_t kTok0 = 4;
 
 size_t weight_bytes(const WeightView& w) { return w.valid() ? w.row_stride * (size_t)w.n_out : 0; }
 size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
@@ -51,7 +54,7 @@ struct GpuLayer {
 
 // Pinned host staging for one forward's inputs and outputs.
 struct Staging {
-  int32_t* host = nullptr;  // [1 + cap] : pos0, tokens...
+  int32_t* host = nullptr;  // [kTok0 + cap] : pos0, (unused), tokens from kTok0
   int32_t* tops = nullptr;  // [cap] argmax rows
   int64_t cap = 0;
   ~Staging() {
@@ -64,7 +67,8 @@ struct Staging {
     if (tops) (void)gpuFreeHost(tops);
     host = tops = nullptr;
     cap = std::max<int64_t>(n, 256);
-    SPECD_GPU_CHECK(gpuHostAlloc((void**)&host, sizeof(int32_t) * (size_t)(cap + 1), gpuHostAllocDefault));
+    SPECD_GPU_CHECK(gpuHostAlloc((void**)&host, sizeof(int32_t) * (size_t)(kTok0 + cap), gpuHostAllocDefault));
+    std::memset(host, 0, sizeof(int32_t) * (size_t)kTok0);
     SPECD_GPU_CHECK(gpuHostAlloc((void**)&tops, sizeof(int32_t) * (size_t)cap, gpuHostAllocDefault));
   }
 };
@@ -192,7 +196,6 @@ class GpuModel final : public ForwardModel {
       layers_.push_back(g);
     }
     SPECD_CHECK(cursor <= arena_.get<uint8_t>() + arena_.size(), "gpu model: arena overflow (bug)");
-    pos_.resize(sizeof(int32_t) * 2);
   }
 
   ~GpuModel() override {
@@ -260,7 +263,7 @@ class GpuModel final : public ForwardModel {
 
   size_t scratch_bytes() const {
     return h_.size() + xn_.size() + qkv_.size() + q_.size() + att_.size() + act_.size() + work_.size() +
-           big_logits_.size() + tokens_.size() + tops_.size() + argmax_work_.size() + pos_.size();
+           big_logits_.size() + inputs_.size() + tops_.size() + argmax_work_.size();
   }
 
   // Grows the activation scratch for n rows; growing invalidates every captured graph
@@ -280,13 +283,16 @@ class GpuModel final : public ForwardModel {
     grow(q_, sizeof(float) * (size_t)(n * q_dim));
     grow(att_, sizeof(float) * (size_t)(n * q_dim));
     grow(act_, sizeof(float) * (size_t)(n * c.ffn_dim));
-    grow(tokens_, sizeof(int32_t) * (size_t)n);
+    grow(inputs_, sizeof(int32_t) * (size_t)(kTok0 + n));  // position, then the tokens
     grow(tops_, sizeof(int32_t) * (size_t)n);
     if (gpu::argmax_workspace_bytes(n, c.n_vocab) > argmax_work_.size()) {
       grow(argmax_work_, gpu::argmax_workspace_bytes(n, c.n_vocab));
       SPECD_GPU_CHECK(gpuMemsetAsync(argmax_work_.get(), 0, argmax_work_.size(), stream_));  // counters at 0
     }
-    grow(work_, gpu::attention_workspace_bytes(n, n_ctx, c.n_heads, c.head_dim));
+    if (gpu::attention_workspace_bytes(n, n_ctx, c.n_heads, c.head_dim) > work_.size()) {
+      grow(work_, gpu::attention_workspace_bytes(n, n_ctx, c.n_heads, c.head_dim));
+      SPECD_GPU_CHECK(gpuMemsetAsync(work_.get(), 0, work_.size(), stream_));  // counters at 0
+    }
     staging_.reserve(n);
   }
 
@@ -326,9 +332,8 @@ class GpuModel final : public ForwardModel {
     }
     // inputs: position and tokens, in one copy from pinned memory
     staging_.host[0] = (int32_t)pos0;
-    std::memcpy(staging_.host + 1, tokens, sizeof(int32_t) * (size_t)n);
-    SPECD_GPU_CHECK(gpuMemcpyAsync(pos_.get(), staging_.host, sizeof(int32_t), gpuMemcpyHostToDevice, stream_));
-    SPECD_GPU_CHECK(gpuMemcpyAsync(tokens_.get(), staging_.host + 1, sizeof(int32_t) * (size_t)n,
+    std::memcpy(staging_.host + kTok0, tokens, sizeof(int32_t) * (size_t)n);
+    SPECD_GPU_CHECK(gpuMemcpyAsync(inputs_.get(), staging_.host, sizeof(int32_t) * (size_t)(kTok0 + n),
                                    gpuMemcpyHostToDevice, stream_));
     kv.device_rows = 0;
     if (small && capture == nullptr) {
@@ -369,7 +374,7 @@ class GpuModel final : public ForwardModel {
     gpuStream_t s = stream_;
     float *h = h_.get<float>(), *xn = xn_.get<float>(), *qkv = qkv_.get<float>(), *att = att_.get<float>();
     float *act = act_.get<float>(), *q = q_.get<float>();
-    const int32_t* d_pos = pos_.get<int32_t>();
+    const int32_t* d_pos = inputs_.get<int32_t>();  // [0]: pos0; tokens from kTok0
 
     // RMSNorm(x) * w as the input of `a`: fused into the matrix kernel for small forwards
     // (batch-invariant path), a separate launch into xn for the tensor-core path.
@@ -384,7 +389,7 @@ class GpuModel final : public ForwardModel {
       }
     };
 
-    gpu::embed_rows(tok_embd_, tokens_.get<int32_t>(), n, h, s);
+    gpu::embed_rows(tok_embd_, d_pos + kTok0, n, h, s);
     for (int32_t l = 0; l < c.n_layers; ++l) {
       const GpuLayer& L = layers_[(size_t)l];
       // ---- attention block
@@ -518,7 +523,7 @@ class GpuModel final : public ForwardModel {
   RopeParams rope_;
   std::vector<GpuLayer> layers_;
   // scratch (grown on demand; forward() is not re-entrant: the engine serialises calls)
-  mutable DeviceBuffer h_, xn_, qkv_, q_, att_, act_, work_, big_logits_, tokens_, tops_, argmax_work_, pos_;
+  mutable DeviceBuffer h_, xn_, qkv_, q_, att_, act_, work_, big_logits_, inputs_, tops_, argmax_work_;
   mutable Staging staging_;
   mutable uint64_t epoch_ = 1;
 };

@@ -1,14 +1,18 @@
 // specd/cuda/linear.cuh: y = x W^T for stored (possibly quantized) GGUF weights, every type
 // the CPU backend supports (F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q4_K Q5_K Q6_K), and the
-// token-embedding lookup. Implemented in matvec.cu (n <= kMaxSmallBatch) and matmul.cu
-// (n > kMaxSmallBatch, tensor cores); the block decoders are in quants.cuh.
+// token-embedding lookup. Implemented in matvec_tc.cu / matvec.cu (n <= kMaxSmallBatch) and
+// matmul.cu (n > kMaxSmallBatch, tensor cores); the block decoders are in quants.cuh.
 //
 // Two paths, chosen by n (rows of x):
-//  * n <= kMaxSmallBatch (decode, speculative verify): float32 activations and accumulation,
-//    and BATCH-INVARIANT: row r of y is bit-identical whatever n is and whatever the other
-//    rows hold (each row's dot products use the same lane mapping and reduction order).
-//    Lossless speculation needs this: verifying k+1 positions must give the logits one
-//    decode step gives.
+//  * n <= kMaxSmallBatch (decode, speculative verify): float32-accurate and BATCH-INVARIANT:
+//    row r of y is bit-identical whatever n is and whatever the other rows hold (each row's
+//    dot products use the same mapping and reduction order). Lossless speculation needs
+//    this: verifying k+1 positions must give the logits one decode step gives. Two readers,
+//    chosen by the weight types and the device only (never by n): tensor cores where every
+//    weight is F16 (and with SPECD_GPU_TC=all also Q8_0, Q4_K, Q6_K) on NVIDIA sm_80+
+//    (matvec_tc.cu: x split into two fp16 halves, exact weights, float32 MMA accumulation; a
+//    verify of 16 positions costs ~1.6 decode steps), else float32 FMAs on the CUDA cores
+//    (matvec.cu).
 //  * n > kMaxSmallBatch (prefill): tiles of W are decoded to fp16 in shared memory and
 //    multiplied on tensor cores (wmma, fp16 x fp16 -> fp32 accumulate; the FMA fallback of
 //    the same tiling on HIP). Activations are rounded to fp16 (relative error ~1e-3).

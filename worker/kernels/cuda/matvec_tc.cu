@@ -1,5 +1,7 @@
 // specd/cuda/matvec_tc.cu: linear() for n <= kMaxSmallBatch rows of x on TENSOR CORES, for
-// F16 weights on NVIDIA sm_80+ (every other type, HIP and older GPUs take matvec.cu). Same
+// F16, Q8_0, Q4_K and Q6_K weights with K % 32 == 0 on NVIDIA sm_80+ (other types, HIP and
+// older GPUs take matvec.cu; by default F16 only, SPECD_GPU_TC=all adds the quantized types,
+// =0 turns the path off: see tc_type()). Same
 // contract as matvec.cu: float32-accurate and BATCH-INVARIANT, so decode (n = 1) and a
 // speculative verify (n = k + 1) give bit-identical rows; but the work per weight is a
 // fraction of an instruction, so a verify of 16 positions costs about what one decode step
@@ -16,7 +18,12 @@
 //   P_w     = the float32 tensor-core accumulation (mma m16n8k16, fp16 x fp16 -> f32, exact
 //            products) over the K units of 32 elements u = w, w + 8, w + 16, ... in
 //            ascending order, each unit as 4 MMAs: hi of its first 16, lo of them, hi of its
-//            last 16, lo of them.
+//            last 16, lo of them. F16 weights are the A operand as stored; quantized
+//            weights w = s q (+ m) enter as their small integers q (exact in fp16): each
+//            16-element half goes through its own 2 MMAs from zero, D, and then
+//            P += s * D (s the scale of those 16 elements: Q8_0 d, Q4_K d sc (d sc / 16 for
+//            high nibbles, read in place as 16 q), Q6_K d sc of its 16-element sub-block),
+//            and for Q4_K P += m * (sum of the unit's scaled x), m = -dmin mn.
 // Nothing in it depends on n, on the other rows of x, on which column of the MMA a row sits
 // in, or on the launch shape (rows per CTA): a row's result is bit-identical whatever else
 // is computed with it (the tests check this on the device).
@@ -61,6 +68,7 @@ struct TcWeight {
   const float* bias = nullptr;
   int64_t col = 0;    // first column of y (Store)
   int32_t cta0 = 0;   // first blockIdx.x of this weight
+  GgmlType type = GgmlType::F16;
 };
 
 struct TcParams {
@@ -104,28 +112,145 @@ __device__ __forceinline__ float fp16_range_scale(float m) {
   const int se = min(127, max(-126, 14 - e));
   return __uint_as_float((uint32_t)(se + 127) << 23);
 }
+
+// ---- per-type readers of one unit (32 elements of K) of one weight row, for lane c.
+// fetch(): the bytes (all global loads, so they can be issued a unit ahead); frag(): the
+// lane's 8 weights, or small integers q, as fp16 pairs in MMA order (a[0], a[1]: slots
+// (2c, 2c+1) and (2c+8, 2c+9) of the unit's first MMA; a[2], a[3]: its second), and for
+// quantized types the scale of each MMA's 16 elements (w = s q) and the unit's offset
+// (w = s q + m, Q4_K). The lane's elements of MMA h are the 4 consecutive k at
+// 32u + x_off(c, h): its activations are one float4.
+// Integers to fp16: the bytes 0x64 and v (0..255) make the half 1024 + v exactly, so one
+// byte permute builds two and one half2 subtraction removes the bias.
+
+__device__ __forceinline__ uint32_t bytes01_h2(uint32_t v) { return __byte_perm(v, 0x64646464u, 0x5140); }
+__device__ __forceinline__ uint32_t bytes23_h2(uint32_t v) { return __byte_perm(v, 0x64646464u, 0x7362); }
+__device__ __forceinline__ uint32_t h2_sub(uint32_t a, float bias) {
+  const __half2 r = __hsub2(*reinterpret_cast<const __half2*>(&a), __float2half2_rn(bias));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+__device__ __forceinline__ uint32_t ldg16(const uint8_t* p) { return __ldg(reinterpret_cast<const unsigned short*>(p)); }
+__device__ __forceinline__ uint32_t ldg32(const uint8_t* p) { return __ldg(reinterpret_cast<const unsigned*>(p)); }
+__device__ __forceinline__ uint32_t ldg32_a2(const uint8_t* p) { return __byte_perm(ldg16(p), ldg16(p + 2), 0x5410); }
+
+template <GgmlType T>
+struct TcRow;
+
+template <>
+struct TcRow<GgmlType::F16> {  // 8 halves, no scale
+  static constexpr bool kScaled = false, kAffine = false;
+  struct Raw { uint4 v; };
+  __device__ static int x_off(int c, int h) { return 8 * c + 4 * h; }
+  __device__ static void fetch(const uint8_t* row, int64_t u, int c, Raw& r) {
+    r.v = __ldg(reinterpret_cast<const uint4*>(row + 64 * (size_t)u + 16 * c));
+  }
+  __device__ static void frag(const Raw& r, int64_t, uint32_t (&a)[4], float (&s)[2], float& m) {
+    a[0] = r.v.x; a[1] = r.v.y; a[2] = r.v.z; a[3] = r.v.w;
+    s[0] = s[1] = 1.f;
+    m = 0.f;
+  }
+};
+
+template <>
+struct TcRow<GgmlType::Q8_0> {  // {d; q[32] int8}: w = d q
+  static constexpr bool kScaled = true, kAffine = false;
+  struct Raw { uint32_t q0, q1, d; };
+  __device__ static int x_off(int c, int h) { return 8 * c + 4 * h; }
+  __device__ static void fetch(const uint8_t* row, int64_t u, int c, Raw& r) {
+    const uint8_t* b = row + 34 * (size_t)u;
+    r.d = ldg16(b);
+    r.q0 = ldg32_a2(b + 2 + 8 * c);
+    r.q1 = ldg32_a2(b + 6 + 8 * c);
+  }
+  __device__ static void frag(const Raw& r, int64_t, uint32_t (&a)[4], float (&s)[2], float& m) {
+    const uint32_t q0 = r.q0 ^ 0x80808080u, q1 = r.q1 ^ 0x80808080u;  // q + 128
+    a[0] = h2_sub(bytes01_h2(q0), 1152.f);
+    a[1] = h2_sub(bytes23_h2(q0), 1152.f);
+    a[2] = h2_sub(bytes01_h2(q1), 1152.f);
+    a[3] = h2_sub(bytes23_h2(q1), 1152.f);
+    s[0] = s[1] = f16_bits(r.d);
+    m = 0.f;
+  }
+};
+
+template <>
+struct TcRow<GgmlType::Q4_K> {  // unit u = sub-block u % 8 of super-block u / 8
+  static constexpr bool kScaled = true, kAffine = true;
+  struct Raw { uint32_t dd, lo, mid, hi, q0, q1; };
+  __device__ static int x_off(int c, int h) { return 8 * c + 4 * h; }
+  __device__ static void fetch(const uint8_t* row, int64_t u, int c, Raw& r) {
+    const uint8_t* b = row + 144 * (size_t)(u / 8);
+    const int j = (int)(u % 8), p = 2 * ((j / 2) & 1);
+    r.dd = ldg32(b);
+    r.lo = ldg16(b + 4 + p);
+    r.mid = ldg16(b + 8 + p);
+    r.hi = ldg16(b + 12 + p);
+    r.q0 = ldg32(b + 16 + 32 * (j / 2) + 8 * c);
+    r.q1 = ldg32(b + 20 + 32 * (j / 2) + 8 * c);
+  }
+  __device__ static void frag(const Raw& r, int64_t u, uint32_t (&a)[4], float (&s)[2], float& m) {
+    const int j = (int)(u % 8), g = j / 2;
+    // scale/min of the pair (2g, 2g+1) as kquant_pair (quants.cuh), then this sub-block's byte
+    const uint32_t sc_hi = (r.hi & 0x0F0Fu) | ((r.lo >> 2) & 0x3030u);
+    const uint32_t mn_hi = ((r.hi >> 4) & 0x0F0Fu) | ((r.mid >> 2) & 0x3030u);
+    const uint32_t sc2 = g < 2 ? r.lo & 0x3F3Fu : sc_hi, mn2 = g < 2 ? r.mid & 0x3F3Fu : mn_hi;
+    const uint32_t sc = (j & 1) ? sc2 >> 8 : sc2 & 0xFF, mn = (j & 1) ? mn2 >> 8 : mn2 & 0xFF;
+    // low nibbles: 1024 + q; high nibbles kept in place: 1024 + 16 q (the 16 goes to the scale)
+    const uint32_t keep = (j & 1) ? 0xFFF0FFF0u : 0xFF0FFF0Fu;
+    a[0] = h2_sub(bytes01_h2(r.q0) & keep, 1024.f);
+    a[1] = h2_sub(bytes23_h2(r.q0) & keep, 1024.f);
+    a[2] = h2_sub(bytes01_h2(r.q1) & keep, 1024.f);
+    a[3] = h2_sub(bytes23_h2(r.q1) & keep, 1024.f);
+    const float d = f16_bits(r.dd & 0xFFFF), dmin = f16_bits(r.dd >> 16);
+    s[0] = s[1] = d * small_int(sc) * ((j & 1) ? 0.0625f : 1.f);
+    m = -(dmin * small_int(mn));
+  }
+};
+
+template <>
+struct TcRow<GgmlType::Q6_K> {  // unit u: l = 0..31 of quarter u % 4 of half (u % 8) / 4; two 16-element scales
+  static constexpr bool kScaled = true, kAffine = false;
+  struct Raw { uint32_t la, lb, ha, hb, sc, d; };
+  __device__ static int x_off(int c, int h) { return 4 * c + 16 * h; }
+  __device__ static void fetch(const uint8_t* row, int64_t u, int c, Raw& r) {
+    const uint8_t* b = row + 210 * (size_t)(u / 8);
+    const int j = (int)(u % 8), hf = j / 4, qt = j % 4;
+    const uint8_t* ql = b + 64 * hf + 32 * (qt & 1) + 4 * c;
+    r.la = ldg32_a2(ql);
+    r.lb = ldg32_a2(ql + 16);
+    r.ha = ldg32_a2(b + 128 + 32 * hf + 4 * c);
+    r.hb = ldg32_a2(b + 128 + 32 * hf + 16 + 4 * c);
+    r.sc = ldg16(b + 192 + 8 * hf + 2 * qt);
+    r.d = ldg16(b + 208);
+  }
+  __device__ static void frag(const Raw& r, int64_t u, uint32_t (&a)[4], float (&s)[2], float& m) {
+    const int qt = (int)(u % 4), ns = 4 * (qt >> 1), hs = 2 * qt;
+    const uint32_t qa = ((r.la >> ns) & 0x0F0F0F0Fu) | (((r.ha >> hs) & 0x03030303u) << 4);
+    const uint32_t qb = ((r.lb >> ns) & 0x0F0F0F0Fu) | (((r.hb >> hs) & 0x03030303u) << 4);
+    a[0] = h2_sub(bytes01_h2(qa), 1056.f);  // 1024 + 32: q - 32
+    a[1] = h2_sub(bytes23_h2(qa), 1056.f);
+    a[2] = h2_sub(bytes01_h2(qb), 1056.f);
+    a[3] = h2_sub(bytes23_h2(qb), 1056.f);
+    const float d = f16_bits(r.d);
+    s[0] = d * (float)(int8_t)(r.sc & 0xFF);
+    s[1] = d * (float)(int8_t)(r.sc >> 8);
+    m = 0.f;
+  }
+};
 #endif
 
-template <int MT, int NT>
-__global__ void __launch_bounds__(kThreads, NT >= 4 ? 1 : 2) tc_kernel(const TcParams p) {
 #if SPECD_MMA
-  extern __shared__ __align__(16) float red[];  // [kWarps][16 * MT][8 * NT] partial sums
-  __shared__ float fac[kMaxSmallBatch], unscale[kMaxSmallBatch];
+// The CTA's work for weights of type T (every weight of this CTA has it).
+template <GgmlType T, int MT, int NT>
+__device__ __forceinline__ void tc_body(const TcParams& p, const TcWeight& w0, int64_t o0, float* red, float* fac,
+                                        float* unscale) {
+  using R = TcRow<T>;
   const int lane = threadIdx.x % kGroup, warp = threadIdx.x / kGroup, g = lane / 4, c = lane % 4;
   const int64_t K = p.K, n = p.n;
   const bool swiglu = p.ep == Epilogue::SwiGLU;
   constexpr int kRows = 16 * MT, kCols = 8 * NT;
 
-  // this CTA's weight and rows; the lane's rows g and g + 8 of each m-tile
-  TcWeight w0 = p.w[0];
-  int64_t o0;
-  if (swiglu) {
-    o0 = (int64_t)blockIdx.x * 8 * MT;
-  } else {
-    if (p.n_w > 1 && (int)blockIdx.x >= p.w[1].cta0) w0 = p.w[1];
-    if (p.n_w > 2 && (int)blockIdx.x >= p.w[2].cta0) w0 = p.w[2];
-    o0 = (int64_t)(blockIdx.x - w0.cta0) * kRows;
-  }
+  // the lane's rows g and g + 8 of each m-tile (SwiGLU: gate row, up row)
   const uint8_t* rp[MT][2];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
@@ -133,16 +258,16 @@ __global__ void __launch_bounds__(kThreads, NT >= 4 ? 1 : 2) tc_kernel(const TcP
     for (int h = 0; h < 2; ++h) {
       const TcWeight& w = swiglu && h ? p.w[1] : w0;
       const int64_t o = swiglu ? o0 + 8 * mt + g : o0 + 16 * mt + 8 * h + g;
-      rp[mt][h] = w.data + (size_t)min(o, w.n_out - 1) * w.stride + 16 * c;  // clamped; dropped at the end
+      rp[mt][h] = w.data + (size_t)min(o, w.n_out - 1) * w.stride;  // clamped; dropped at the end
     }
   const int64_t n_units = K / kUnit;
   // the first unit's weights: immutable, loaded before waiting for the previous kernel
-  uint4 wa[MT][2];
+  typename R::Raw raw[MT][2];
   if (warp < n_units) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) wa[mt][h] = __ldg(reinterpret_cast<const uint4*>(rp[mt][h] + 64 * (size_t)warp));
+      for (int h = 0; h < 2; ++h) R::fetch(rp[mt][h], warp, c, raw[mt][h]);
   }
 
   gpu_grid_wait();
@@ -169,10 +294,10 @@ __global__ void __launch_bounds__(kThreads, NT >= 4 ? 1 : 2) tc_kernel(const TcP
     ss = group_sum(ss);
     mx = group_max(mx);
     const float inv = p.norm_w != nullptr ? rsqrtf(ss / (float)K + p.eps) : 1.f;
-    const float s = fp16_range_scale(mx * inv);
+    const float sc = fp16_range_scale(mx * inv);
     if (lane == 0) {
-      fac[r] = inv * s;
-      unscale[r] = 1.f / s;
+      fac[r] = inv * sc;
+      unscale[r] = 1.f / sc;
     }
   }
   __syncthreads();
@@ -187,32 +312,38 @@ __global__ void __launch_bounds__(kThreads, NT >= 4 ? 1 : 2) tc_kernel(const TcP
 
   for (int64_t u = warp; u < n_units; u += kWarps) {
     // next unit's weights in flight while this one is used
-    uint4 wn[MT][2];
+    typename R::Raw nxt[MT][2];
     const int64_t un = u + kWarps;
     if (un < n_units) {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) wn[mt][h] = __ldg(reinterpret_cast<const uint4*>(rp[mt][h] + 64 * (size_t)un));
+        for (int h = 0; h < 2; ++h) R::fetch(rp[mt][h], un, c, nxt[mt][h]);
     }
-    // B fragments of every n-tile: x row 8t + g, elements 32u + 8c .. + 7
-    const int64_t k = kUnit * u + 8 * c;
+    // B fragments of every n-tile: x row 8t + g at the lane's elements of MMA 0 and 1; for
+    // Q4_K also the unit's sum of the scaled x of the rows in this lane's C columns
+    const int64_t k0 = kUnit * u;
     float nw[8];
     if (p.norm_w != nullptr) {
-      const float4 a = __ldg(reinterpret_cast<const float4*>(p.norm_w + k));
-      const float4 b = __ldg(reinterpret_cast<const float4*>(p.norm_w + k + 4));
-      nw[0] = a.x; nw[1] = a.y; nw[2] = a.z; nw[3] = a.w; nw[4] = b.x; nw[5] = b.y; nw[6] = b.z; nw[7] = b.w;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float4 a = __ldg(reinterpret_cast<const float4*>(p.norm_w + k0 + R::x_off(c, h)));
+        nw[4 * h] = a.x; nw[4 * h + 1] = a.y; nw[4 * h + 2] = a.z; nw[4 * h + 3] = a.w;
+      }
     }
     uint32_t bh[NT][4], bl[NT][4];
+    float xs[NT][2];  // Q4_K: sum over the unit of the scaled x of rows 8t + 2c and 8t + 2c + 1
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
       const int64_t r = 8 * t + g;
       float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
       if (r < n) {
-        const float4 a = __ldg(reinterpret_cast<const float4*>(p.x + r * K + k));
-        const float4 b = __ldg(reinterpret_cast<const float4*>(p.x + r * K + k + 4));
-        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
         const float f = fac[r];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float4 a = __ldg(reinterpret_cast<const float4*>(p.x + r * K + k0 + R::x_off(c, h)));
+          v[4 * h] = a.x; v[4 * h + 1] = a.y; v[4 * h + 2] = a.z; v[4 * h + 3] = a.w;
+        }
         if (p.norm_w != nullptr) {
 #pragma unroll
           for (int i = 0; i < 8; ++i) v[i] = (v[i] * nw[i]) * f;
@@ -223,23 +354,54 @@ __global__ void __launch_bounds__(kThreads, NT >= 4 ? 1 : 2) tc_kernel(const TcP
       }
 #pragma unroll
       for (int i = 0; i < 4; ++i) split2(v[2 * i], v[2 * i + 1], bh[t][i], bl[t][i]);
+      if constexpr (R::kAffine) {
+        float sum = v[0];
+#pragma unroll
+        for (int i = 1; i < 8; ++i) sum += v[i];
+        sum += gpu_shfl_xor(sum, 1);  // the 4 lanes of row g: fixed butterfly
+        sum += gpu_shfl_xor(sum, 2);
+        xs[t][0] = __shfl_sync(0xffffffffu, sum, 4 * (2 * c));
+        xs[t][1] = __shfl_sync(0xffffffffu, sum, 4 * (2 * c + 1));
+      }
     }
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-      const uint4 r0 = wa[mt][0], r1 = wa[mt][1];
+      uint32_t a0[4], a1[4];
+      float s0[2], s1[2], m0, m1;
+      R::frag(raw[mt][0], u, a0, s0, m0);  // row g
+      R::frag(raw[mt][1], u, a1, s1, m1);  // row g + 8
 #pragma unroll
       for (int t = 0; t < NT; ++t) {
-        mma16816(acc[mt][t], r0.x, r1.x, r0.y, r1.y, bh[t][0], bh[t][1]);
-        mma16816(acc[mt][t], r0.x, r1.x, r0.y, r1.y, bl[t][0], bl[t][1]);
-        mma16816(acc[mt][t], r0.z, r1.z, r0.w, r1.w, bh[t][2], bh[t][3]);
-        mma16816(acc[mt][t], r0.z, r1.z, r0.w, r1.w, bl[t][2], bl[t][3]);
+        if constexpr (!R::kScaled) {
+          mma16816(acc[mt][t], a0[0], a1[0], a0[1], a1[1], bh[t][0], bh[t][1]);
+          mma16816(acc[mt][t], a0[0], a1[0], a0[1], a1[1], bl[t][0], bl[t][1]);
+          mma16816(acc[mt][t], a0[2], a1[2], a0[3], a1[3], bh[t][2], bh[t][3]);
+          mma16816(acc[mt][t], a0[2], a1[2], a0[3], a1[3], bl[t][2], bl[t][3]);
+        } else {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {  // q.x of MMA h's 16 elements, then its scale
+            float d[4] = {0.f, 0.f, 0.f, 0.f};
+            mma16816(d, a0[2 * h], a1[2 * h], a0[2 * h + 1], a1[2 * h + 1], bh[t][2 * h], bh[t][2 * h + 1]);
+            mma16816(d, a0[2 * h], a1[2 * h], a0[2 * h + 1], a1[2 * h + 1], bl[t][2 * h], bl[t][2 * h + 1]);
+            acc[mt][t][0] = fmaf(s0[h], d[0], acc[mt][t][0]);
+            acc[mt][t][1] = fmaf(s0[h], d[1], acc[mt][t][1]);
+            acc[mt][t][2] = fmaf(s1[h], d[2], acc[mt][t][2]);
+            acc[mt][t][3] = fmaf(s1[h], d[3], acc[mt][t][3]);
+          }
+          if constexpr (R::kAffine) {
+            acc[mt][t][0] = fmaf(m0, xs[t][0], acc[mt][t][0]);
+            acc[mt][t][1] = fmaf(m0, xs[t][1], acc[mt][t][1]);
+            acc[mt][t][2] = fmaf(m1, xs[t][0], acc[mt][t][2]);
+            acc[mt][t][3] = fmaf(m1, xs[t][1], acc[mt][t][3]);
+          }
+        }
       }
     }
     if (un < n_units) {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) wa[mt][h] = wn[mt][h];
+        for (int h = 0; h < 2; ++h) raw[mt][h] = nxt[mt][h];
     }
   }
 
@@ -256,9 +418,37 @@ __global__ void __launch_bounds__(kThreads, NT >= 4 ? 1 : 2) tc_kernel(const TcP
       mine[(row + 8) * kCols + col] = acc[mt][t][2];
       mine[(row + 8) * kCols + col + 1] = acc[mt][t][3];
     }
+}
+#endif
+
+template <int MT, int NT>
+__global__ void __launch_bounds__(kThreads, NT >= 4 ? 1 : 2) tc_kernel(const TcParams p) {
+#if SPECD_MMA
+  extern __shared__ __align__(16) float red[];  // [kWarps][16 * MT][8 * NT] partial sums
+  __shared__ float fac[kMaxSmallBatch], unscale[kMaxSmallBatch];
+  constexpr int kRows = 16 * MT, kCols = 8 * NT;
+  const bool swiglu = p.ep == Epilogue::SwiGLU;
+
+  // this CTA's weight (one type) and first output row
+  TcWeight w0 = p.w[0];
+  int64_t o0;
+  if (swiglu) {
+    o0 = (int64_t)blockIdx.x * 8 * MT;
+  } else {
+    if (p.n_w > 1 && (int)blockIdx.x >= p.w[1].cta0) w0 = p.w[1];
+    if (p.n_w > 2 && (int)blockIdx.x >= p.w[2].cta0) w0 = p.w[2];
+    o0 = (int64_t)(blockIdx.x - w0.cta0) * kRows;
+  }
+  switch (w0.type) {
+    case GgmlType::Q8_0: tc_body<GgmlType::Q8_0, MT, NT>(p, w0, o0, red, fac, unscale); break;
+    case GgmlType::Q4_K: tc_body<GgmlType::Q4_K, MT, NT>(p, w0, o0, red, fac, unscale); break;
+    case GgmlType::Q6_K: tc_body<GgmlType::Q6_K, MT, NT>(p, w0, o0, red, fac, unscale); break;
+    default: tc_body<GgmlType::F16, MT, NT>(p, w0, o0, red, fac, unscale); break;
+  }
   __syncthreads();
 
   // sum over the warps in order, unscale, epilogue: thread -> (row of x, output row)
+  const int64_t n = p.n;
   const int out_rows = swiglu ? 8 * MT : kRows;
   for (int i = threadIdx.x; i < (int)n * out_rows; i += kThreads) {
     const int r = i / out_rows, j = i % out_rows;
@@ -314,6 +504,20 @@ void launch_tc(const TcParams& p, int nt, int ctas, gpuStream_t s) {
   }
 }
 
+// Types read on tensor cores. SPECD_GPU_TC: unset or "f16" (default): F16 only; "all": also
+// Q8_0, Q4_K, Q6_K; "0": none. (Measured on an H200, 2026-11-30: the tensor-core path makes a
+// 16-position verify cost ~1.6 decode steps instead of ~5.9, but decodes one position 13-19 %
+// slower for F16 and 26-45 % slower for Q8_0 / Q4_K_M, whose scattered block reads it does not
+// stage yet: F16 takes it by default, the quantized types on request.)
+bool tc_type(GgmlType t) {
+  static const bool all = [] {
+    const char* e = std::getenv("SPECD_GPU_TC");
+    return e && std::string(e) == "all";
+  }();
+  if (t == GgmlType::F16) return true;
+  return all && (t == GgmlType::Q8_0 || t == GgmlType::Q4_K || t == GgmlType::Q6_K);
+}
+
 bool tc_enabled() {
   static const bool on = [] {
     const char* e = std::getenv("SPECD_GPU_TC");
@@ -332,7 +536,8 @@ bool tc_linear(const LinearArgs& a, gpuStream_t s) {
   const int64_t K = a.w[0]->n_in;
   if (K % kUnit != 0) return false;
   for (int j = 0; j < a.n_w; ++j)
-    if (a.w[j]->type != GgmlType::F16) return false;
+    if (!tc_type(a.w[j]->type)) return false;
+  if (a.ep == Epilogue::SwiGLU && a.w[0]->type != a.w[1]->type) return false;  // one type per CTA
   TcParams p;
   p.n_w = a.n_w;
   p.ep = a.ep;
@@ -360,6 +565,7 @@ bool tc_linear(const LinearArgs& a, gpuStream_t s) {
     m.data = w.data;
     m.stride = w.row_stride;
     m.n_out = w.n_out;
+    m.type = w.type;
     m.bias = a.bias[j];
     m.col = col;
     col += w.n_out;
