@@ -114,8 +114,11 @@ class Engine:
     (None = all cores), kv_type ("f16" | "f32"), max_batch (positions per forward while
     prefilling; bounds scratch memory), draft_model (a second ModelFile with the same token
     table, for speculation mode "draft"), device ("cpu", or "cuda:N" / "hip:N" when built
-    with that GPU backend; a draft model runs on the same device). A file whose tensors do not match its metadata,
-    or a draft whose vocabulary differs, raises ModelLoadError; bad options raise
+    with that GPU backend; a draft model runs on the same device), tensor_cores (GPU: decode
+    and verify forwards read F16 weights on tensor cores, so verifying k+1 positions costs
+    about one decode step while one plain step costs ~15 % more; None = on when a draft model
+    is given, i.e. for an engine that speculates). A file whose tensors do not match its
+    metadata, or a draft whose vocabulary differs, raises ModelLoadError; bad options raise
     InvalidRequestError.
     """
 
@@ -129,14 +132,18 @@ class Engine:
         max_batch: int = 256,
         draft_model: ModelFile | None = None,
         device: str = "cpu",
+        tensor_cores: bool | None = None,
     ) -> None:
         check_device(device)
+        if tensor_cores is not None and not isinstance(tensor_cores, bool):
+            raise InvalidRequestError(f"tensor_cores must be True, False or None, got {tensor_cores!r}")
         if kv_type not in KV_TYPES:
             raise InvalidRequestError(f"kv_type must be one of {', '.join(KV_TYPES)}, got {kv_type!r}")
         for name, value, low in (("n_ctx", n_ctx, 1), ("n_threads", n_threads, 1), ("max_batch", max_batch, 1)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
                 raise InvalidRequestError(f"{name} must be an integer >= {low}, got {value!r}")
-        options: dict[str, Any] = {"kv_type": kv_type, "max_batch": max_batch, "device": device}
+        options: dict[str, Any] = {"kv_type": kv_type, "max_batch": max_batch, "device": device,
+                                   "tensor_cores": draft_model is not None if tensor_cores is None else tensor_cores}
         if n_ctx is not None:
             options["n_ctx"] = n_ctx
         if n_threads is not None:

@@ -196,7 +196,7 @@ class Generator:
             self.draft_mode = "dflash" if self.draft_file.config.arch == "dflash" else "draft"
         self.engine = Engine(
             self.model_file, n_ctx=n_ctx, n_threads=n_threads, kv_type=kv_type, draft_model=self.draft_file,
-            device=device,
+            device=device, tensor_cores=self.draft_mode != "none",  # verify ~ one step: speculation pays
         )
         self._stop_ids = frozenset(int(t) for t in self.tokenizer.stop_ids)
 

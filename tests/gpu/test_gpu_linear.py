@@ -54,10 +54,11 @@ def n_ins(qtype: T) -> tuple[int, int]:
     return 40, 1800
 
 
-def gpu(ws, biases, x, norm_w=None, eps=0.0, epilogue=0, y=None) -> np.ndarray:
+def gpu(ws, biases, x, norm_w=None, eps=0.0, epilogue=0, y=None, tensor_cores=False) -> np.ndarray:
     """ws: [(qtype, bytes, n_out, n_in)]."""
     return G.linear(weights=[(int(t), w, n_in, n_out) for t, w, n_out, n_in in ws], biases=biases,
-                    x=np.ascontiguousarray(x, dtype=np.float32), norm_w=norm_w, eps=eps, epilogue=epilogue, y=y)
+                    x=np.ascontiguousarray(x, dtype=np.float32), norm_w=norm_w, eps=eps, epilogue=epilogue, y=y,
+                    tensor_cores=tensor_cores)
 
 
 # ---- error bounds (all derived for float32 / fp16 rounding; the float64 reference is exact
@@ -405,8 +406,9 @@ def test_errors_leave_the_device_usable(rng: np.random.Generator) -> None:
     check(y, x.astype(np.float64) @ wf.T, small_bound(np.abs(x.astype(np.float64)), np.abs(wf)), "after error")
 
 
-# ---- the tensor-core small path (F16 weights, K a multiple of 32, NVIDIA sm_80+): x split
-# into two fp16 halves after a power-of-two scaling per row, float32 MMA accumulation
+# ---- the tensor-core small path (tensor_cores=True; F16 weights, K a multiple of 32, NVIDIA
+# sm_80+; other devices take the CUDA-core path, which passes the same tests): x split into
+# two fp16 halves after a power-of-two scaling per row, float32 MMA accumulation
 
 @pytest.mark.parametrize("n", [1, 3, 9, 17, 40, 64])
 def test_tensor_core_f16_matches_float64(n: int, rng: np.random.Generator) -> None:
@@ -417,7 +419,7 @@ def test_tensor_core_f16_matches_float64(n: int, rng: np.random.Generator) -> No
     biases = [rng.standard_normal(96, dtype=np.float32), None, rng.standard_normal(72, dtype=np.float32)]
     mags = 10.0 ** rng.uniform(-7, 7, (n, 1))
     x = (rng.standard_normal((n, n_in)) * mags).astype(np.float32)
-    y = gpu(ws, biases, x)
+    y = gpu(ws, biases, x, tensor_cores=True)
     x64, col = x.astype(np.float64), 0
     for (t, w, m, _), b in zip(ws, biases):
         wf = dequant(t, w, m, n_in)
@@ -437,14 +439,14 @@ def test_tensor_core_f16_norm_swiglu_accumulate(n: int, rng: np.random.Generator
     ws = [(T.F16, wg, n_out, n_in), (T.F16, wu, n_out, n_in)]
     x64 = x.astype(np.float64)
     xn = x64 / np.sqrt((x64 * x64).mean(1, keepdims=True) + eps) * norm_w
-    y = gpu(ws, [None, None], x, norm_w=norm_w, eps=eps, epilogue=2)
+    y = gpu(ws, [None, None], x, norm_w=norm_w, eps=eps, epilogue=2, tensor_cores=True)
     g64, u64 = xn @ dequant(T.F16, wg, n_out, n_in).T, xn @ dequant(T.F16, wu, n_out, n_in).T
     extra = n_in / 256 + 48 + 4
     bg = small_bound(np.abs(xn), np.abs(dequant(T.F16, wg, n_out, n_in)), extra) + 2 * U * np.abs(g64)
     bu = small_bound(np.abs(xn), np.abs(dequant(T.F16, wu, n_out, n_in)), extra) + 2 * U * np.abs(u64)
     check(y, swiglu64(g64, u64), swiglu_tol(g64, u64, bg, bu), f"tc swiglu n={n}")
     y0 = rng.standard_normal((n, n_out), dtype=np.float32)
-    y = gpu(ws[:1], [None], x, epilogue=1, y=y0)
+    y = gpu(ws[:1], [None], x, epilogue=1, y=y0, tensor_cores=True)
     wf = dequant(T.F16, wg, n_out, n_in)
     want = y0 + x64 @ wf.T
     check(y, want, small_bound(np.abs(x64), np.abs(wf), 4) + 2 * U * (np.abs(want) + np.abs(y0)), f"tc acc n={n}")
@@ -458,7 +460,7 @@ def test_tensor_core_f16_batch_invariant(epilogue: int, rng: np.random.Generator
     n_out = 4800 if epilogue == 0 else 2400
     ws = [(T.F16, random_weight(rng, T.F16, n_out, n_in), n_out, n_in) for _ in range(1 + (epilogue == 2))]
     x = (rng.standard_normal((MAX_SMALL, n_in)) * 10.0 ** rng.uniform(-3, 3, (MAX_SMALL, 1))).astype(np.float32)
-    kw = dict(norm_w=rng.uniform(0.5, 1.5, n_in).astype(np.float32), eps=1e-6, epilogue=epilogue)
+    kw = dict(norm_w=rng.uniform(0.5, 1.5, n_in).astype(np.float32), eps=1e-6, epilogue=epilogue, tensor_cores=True)
     alone = rows_alone(ws, [None] * len(ws), x, **kw)
     for lo, hi in ((0, 64), (5, 14), (20, 37), (0, 8), (63, 64)):
         np.testing.assert_array_equal(gpu(ws, [None] * len(ws), x[lo:hi], **kw).view(np.uint32),

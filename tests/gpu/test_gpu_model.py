@@ -58,11 +58,13 @@ def _model(tmp_path, name: str, weight_type: str, **kw) -> str:
                             ctx=512, **{**shape, **kw, "arch": arch})
 
 
-def _logits(path: str, device: str, tokens: np.ndarray, kv_type: str = "f32", chunks=None) -> np.ndarray:
+def _logits(path: str, device: str, tokens: np.ndarray, kv_type: str = "f32", chunks=None,
+            tensor_cores: bool = False) -> np.ndarray:
     from worker.engine import Engine
     from worker.model_file import open_model
 
-    with Engine(open_model(path), kv_type=kv_type, device=device, n_ctx=512, n_threads=2) as eng:
+    with Engine(open_model(path), kv_type=kv_type, device=device, n_ctx=512, n_threads=2,
+                tensor_cores=tensor_cores) as eng:
         seq = eng.new_sequence()
         parts = np.split(tokens, np.cumsum(chunks)[:-1]) if chunks else [tokens]
         out = np.concatenate([np.asarray(seq.prefill(p, all_logits=True)) for p in parts], axis=0)
@@ -91,15 +93,20 @@ def test_logits_match_cpu(tmp_path, arch, weight_type):
                        f"{arch} {weight_type} kv f32")
     e16 = assert_close(_logits(path, _device(), short, "f16"), _logits(path, "cpu", short, "f16"), SMALL_F16_TOL,
                        f"{arch} {weight_type} kv f16")
+    # the same on tensor cores (F16 weights; the other types keep the CUDA-core reader)
+    etc = assert_close(_logits(path, _device(), short, "f32", tensor_cores=True), _logits(path, "cpu", short, "f32"),
+                       SMALL_TOL, f"{arch} {weight_type} kv f32 tensor cores")
     # > 64 positions in one forward: the tensor-core prefill path, then small chunks on top
     long = rng.integers(0, 300, size=200).astype(np.int32)
     el = assert_close(_logits(path, _device(), long, "f32", chunks=[150, 50]),
                       _logits(path, "cpu", long, "f32", chunks=[150, 50]), LARGE_TOL, f"{arch} {weight_type} prefill")
-    print(f"{arch} {weight_type}: small f32 {e32:.2e}, small f16 {e16:.2e}, prefill {el:.2e}")
+    print(f"{arch} {weight_type}: small f32 {e32:.2e} (tensor cores {etc:.2e}), small f16 {e16:.2e}, "
+          f"prefill {el:.2e}")
 
 
+@pytest.mark.parametrize("tensor_cores", [False, True], ids=["cuda-cores", "tensor-cores"])
 @pytest.mark.parametrize("weight_type", ["F16", "Q8_0", "Q4_K"])
-def test_forward_is_batch_invariant_on_device(tmp_path, weight_type):
+def test_forward_is_batch_invariant_on_device(tmp_path, weight_type, tensor_cores):
     """A position's logits are bit-identical whether computed alone (decode) or with up to
     64 others (speculative verify): what makes speculation on the GPU lossless."""
     from worker.engine import Engine
@@ -109,7 +116,7 @@ def test_forward_is_batch_invariant_on_device(tmp_path, weight_type):
     rng = np.random.default_rng([SEED, 2])
     prompt = rng.integers(0, 300, size=40).astype(np.int32)
     more = rng.integers(0, 300, size=33).astype(np.int32)
-    with Engine(open_model(path), device=_device(), n_ctx=512) as eng:
+    with Engine(open_model(path), device=_device(), n_ctx=512, tensor_cores=tensor_cores) as eng:
         a, b = eng.new_sequence(), eng.new_sequence()
         a.prefill(prompt)
         b.prefill(prompt)
@@ -147,9 +154,10 @@ def test_device_greedy_equals_logits_argmax(tmp_path):
     assert rows[len(prompt) - 1:].argmax(-1).tolist() == toks
 
 
+@pytest.mark.parametrize("tensor_cores", [False, True], ids=["cuda-cores", "tensor-cores"])
 @pytest.mark.parametrize("mode", ["draft", "ngram"])
 @pytest.mark.parametrize("k", [1, 2, 4, 8, 16])
-def test_speculative_greedy_identical_to_plain(tmp_path, mode, k):
+def test_speculative_greedy_identical_to_plain(tmp_path, mode, k, tensor_cores):
     from worker.engine import Engine
     from worker.model_file import open_model
 
@@ -161,7 +169,7 @@ def test_speculative_greedy_identical_to_plain(tmp_path, mode, k):
     rng = np.random.default_rng([SEED, 4])
     base = rng.integers(3, 300, size=10).astype(np.int32)
     prompt = np.concatenate([base, base, base])  # repetitive: n-gram lookup finds continuations
-    with Engine(open_model(target), device=_device(), n_ctx=512,
+    with Engine(open_model(target), device=_device(), n_ctx=512, tensor_cores=tensor_cores,
                 draft_model=open_model(draft) if mode == "draft" else None) as eng:
         plain, _ = _greedy(eng, prompt, 80)
         spec, stats = _greedy(eng, prompt, 80, mode, k)

@@ -223,6 +223,10 @@ def test_bad_engine_options(tmp_path: Path) -> None:
         Engine(m, max_batch=0)
     with pytest.raises(InvalidRequestError, match="n_ctx"):
         Engine(m, n_ctx=-5)
+    with pytest.raises(InvalidRequestError, match="tensor_cores must be True, False or None"):
+        Engine(m, tensor_cores="yes")
+    with Engine(m, tensor_cores=True) as eng:  # a GPU reader choice: the CPU engine runs as ever
+        assert eng.device == "cpu"
 
 
 @pytest.mark.parametrize(

@@ -267,6 +267,7 @@ PYBIND11_MODULE(_specd, m) {
              }
              opt.max_batch = get_or<int64_t>(options, "max_batch", opt.max_batch);
              opt.device = get_or<std::string>(options, "device", opt.device);
+             opt.tensor_cores = get_or<bool>(options, "tensor_cores", opt.tensor_cores);
              {
                py::gil_scoped_release nogil;
                pe->engine = std::make_unique<Engine>(cfg, refs, opt);

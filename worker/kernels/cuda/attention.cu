@@ -8,7 +8,7 @@
 //   l   = butterfly over 32 lanes of each lane's ascending sum of p_{lane + 32k}, k < 8
 //   o   = sum_j p_j V_j               sequential fmaf chain over j ascending
 // A query with one chunk (p < 256) is finished in place: out = o / l. Otherwise the partials
-// (m_c, l_c, o_c) go to the workspace and are combined, once the last of them is written:
+// (m_c, l_c, o_c) go to the workspace and a second kernel combines them:
 //   M = max_c m_c,  w_c = exp(m_c - M),  out = (sum_c w_c o_c) / (sum_c w_c l_c)
 // each sum taken as K interleaved fmaf chains (c = k mod K, ascending) added in k order,
 // K = 256 / (head_dim/4). Every step's order is fixed by the query's position, its head and
@@ -16,9 +16,8 @@
 // launch shape: outputs are BATCH-INVARIANT (bit-identical for decode, speculative verify and
 // prefill), which lossless speculative decoding needs.
 //
-// One kernel per launch does both: a persistent grid of min(items, 2 blocks per SM), 256
-// threads; an item is (chunk, KV head, tile of up to RMAX "rows" = (query, query head of this
-// KV head) pairs), so
+// Partial kernel: a persistent grid of min(items, 2 blocks per SM), 256 threads; an item is
+// (chunk, KV head, tile of up to RMAX "rows" = (query, query head of this KV head) pairs), so
 // each K/V element is loaded and converted once for the whole GQA group and all queries of the
 // tile. Items run chunk-major and a block stops at the first chunk past the last position, so
 // dead chunks cost nothing while the grid depends only on (n, n_ctx, heads, head_dim) and the
@@ -32,17 +31,7 @@
 // head_dim is padded to HD in {64, 128, 256} with zeros (exact: 0 * 0 adds nothing). Block
 // shapes (RMAX, ST): "Dec" for <= 8-16 rows (decode, short verify: long sub-tiles), "Big" for
 // more rows (sm_80+), "Small" where shared memory is 64 KiB (sm_75, AMD); none changes a result.
-//
-// Combine (combine_rows): the workspace starts with a uint32 counter per (launch-local query,
-// head), 0 between launches. An item whose rows include multi-chunk queries fences its
-// partials (every thread, then a barrier), and thread `row` takes a ticket (atomicAdd) from
-// the row's counter; the one that gets ticket nc - 1 (nc = p/256 + 1 live chunks, known from
-// the position) sets the counter back to 0 and marks the row, and after a barrier the block
-// combines its marked rows in q | S | tile (as many at once as fit; the block's shared memory
-// always holds one), each with exactly the arithmetic of a 256-thread block per (query, head):
-// the dynamic shared memory is the partial phase's, which bounds both. The workspace must be
-// zeroed once when allocated; every launch leaves its counters at 0 (every ticket of a launch
-// is taken), so later launches and calls find them so.
+// Combine kernel: grid (n_heads, queries), one block per (query, head).
 //
 // Long prefills are cut into launches of at most kMaxQueriesPerLaunch queries (fewer for very
 // long contexts) so the workspace stays bounded; queries are independent, so this changes no
@@ -63,9 +52,6 @@ constexpr int kWarps = kAttnThreads / kGroup;   // 8 groups of 32 lanes
 constexpr int kChunk = (int)kAttnChunk;         // 256 positions
 constexpr int kMaxQueriesPerLaunch = 32;
 constexpr size_t kWorkBudget = size_t(64) << 20;  // workspace bytes aimed at for long contexts
-// Shared floats of one row's combine, partA [K, hd] | partL [K] rounded up to 4, at most: K*hd <= 1024
-// (K = 256 / (hd/4)) and K <= 128 (hd >= 8).
-constexpr int kCombineRowMax = 1024 + 128;
 
 constexpr float kLog2e = 1.44269502162933349609375f;  // float(log2 e)
 constexpr float kLog2eLo = 1.925963033500011e-08f;     // log2 e - kLog2e
@@ -83,6 +69,8 @@ __device__ __forceinline__ float exp_diff(float x, float c) {
   const float y = exp2f(t);
   return fmaf(y, __fmul_rn(e, kLn2), y);
 }
+
+__device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 __device__ __forceinline__ void fma4(float4& a, float s, const float4& v) {
   a.x = fmaf(s, v.x, a.x);
@@ -104,14 +92,10 @@ struct Cfg {
   static constexpr int NI1 = RMAX / kWarps;   // phase 1/2: rows per warp
   static constexpr int SLOTS = kAttnThreads / (HD / 4);  // phase 3: row slots
   static constexpr int NI3 = RMAX / SLOTS;    // phase 3: rows per thread
-  // shared floats: q [RMAX, HD] | S [RMAX, 256] | tile [ST, HDP] | m, l [RMAX, 2], then ints
-  // row_valid [RMAX] | row_qh [RMAX] | the mask of rows to combine. The combine reuses
-  // q | S | tile (kMl floats): red [RMAX, 8] | per row combined at once partA [K, hd] | partL [K].
+  // shared floats: q [RMAX, HD] | S [RMAX, 256] | tile [ST, HDP] | m, l [RMAX, 2]
   static constexpr int kQ = 0, kS = RMAX * HD, kTile = kS + RMAX * kChunk, kMl = kTile + ST * HDP;
-  static constexpr size_t kSmemBytes = sizeof(float) * (size_t)(kMl + 2 * RMAX) + sizeof(int) * (2 * RMAX + 1);
+  static constexpr size_t kSmemBytes = sizeof(float) * (size_t)(kMl + 2 * RMAX) + sizeof(int) * 2 * RMAX;
   static_assert(NI1 >= 1 && NI3 >= 1 && NU >= 1 && RMAX % kWarps == 0 && RMAX % SLOTS == 0, "block shape");
-  static_assert(RMAX <= 32, "the rows to combine are a 32-bit mask");
-  static_assert(RMAX * kWarps + kCombineRowMax <= kMl, "one row's combine fits in q | S | tile");
 };
 
 struct AttnParams {
@@ -121,7 +105,6 @@ struct AttnParams {
   float* out;          // [n, n_heads, hd]
   float* work_o;       // [nq, n_heads, n_chunks, hd] partial o (multi-chunk queries)
   float* work_ml;      // [nq, n_heads, n_chunks, 2] partial (m, l)
-  uint32_t* counts;    // [nq, n_heads] partials written so far (0 between launches)
   const int32_t* d_pos0;
   int32_t n_ctx;       // <= 2^21
   int32_t r0;          // first query row of this launch
@@ -259,91 +242,6 @@ __device__ __forceinline__ bool item_of(const AttnParams& P, int64_t item, int p
   return true;
 }
 
-// Chunks of query position p that hold a partial: c <= p / 256 (< n_chunks as p < n_ctx).
-__device__ __forceinline__ int live_chunks(const AttnParams& P, int p) { return min(P.n_chunks, p / kChunk + 1); }
-
-// Combine of the rows of the current item in `mask` (bit i: row i, every partial of its
-// (query, head) written and visible), by the whole block, over q | S | tile (free once the
-// item's output is written), as many rows at once as fit. Per row, exactly the arithmetic of
-// the former combine kernel (a block of 256 threads per (query, head)):
-//   M   = max_c m_c: thread t takes c = t mod 256 ascending, then group_max, then the 8 groups
-//         in order;
-//   A_k = sum_{c = k mod K, ascending} w_c o_c, L_k likewise with l_c (fmaf chains), for the
-//         thread of dims d = 4 (t % (hd/4)) and chunk class k = t / (hd/4) < K = 256/(hd/4),
-//         with w_c = exp_diff(m_c, M) (computed where it is used: the same value);
-//   out = (A_0 + ... + A_{K-1}) / (L_0 + ... + L_{K-1}), k ascending, one thread per 4 dims.
-// Only the mapping of rows to threads in the last step and the shared layout differ, neither
-// of which changes a value.
-template <class C>
-__device__ __forceinline__ void combine_rows(const AttnParams& P, const Item& it, int pos0, unsigned mask,
-                                             float* smem, const int* row_qh) {
-  const int d4s = P.hd / 4, K = kAttnThreads / d4s;
-  const int stride = (K * P.hd + K + 3) & ~3;                       // one row: partA [K, hd] | partL [K]
-  const int cap = min(C::RMAX, (C::kMl - C::RMAX * kWarps) / stride);  // rows at once (>= 1, static_assert)
-  float* red = smem;                                                // [RMAX, kWarps]: group maxima
-  float* part = smem + C::RMAX * kWarps;                            // [cap, stride] (16-byte aligned)
-  const int warp = threadIdx.x / kGroup, lane = threadIdx.x % kGroup;
-  const int k = threadIdx.x / d4s, d = (threadIdx.x % d4s) * 4;
-  while (mask != 0) {
-    unsigned batch = 0;  // the lowest cap rows left
-    int nb = 0;
-    for (unsigned m = mask; m != 0 && nb < cap; m &= m - 1, ++nb) batch |= m & (0u - m);
-    mask &= ~batch;
-
-    int b = 0;
-    for (unsigned m = batch; m != 0; m &= m - 1, ++b) {  // M: group maxima
-      const int row = __ffs(m) - 1, nc = live_chunks(P, pos0 + (it.row0 + row) / P.group);
-      const float* mlp = P.work_ml + 2 * (int64_t)(row_qh[row] - P.r0 * P.n_heads) * P.n_chunks;
-      float mx = -INFINITY;
-      for (int c = threadIdx.x; c < nc; c += kAttnThreads) mx = fmaxf(mx, mlp[2 * c]);
-      mx = group_max(mx);
-      if (lane == 0) red[b * kWarps + warp] = mx;
-    }
-    __syncthreads();
-    if (k < K) {
-      b = 0;
-      for (unsigned m = batch; m != 0; m &= m - 1, ++b) {  // chunk class k's chains
-        const int row = __ffs(m) - 1, nc = live_chunks(P, pos0 + (it.row0 + row) / P.group);
-        const int64_t u0 = (int64_t)(row_qh[row] - P.r0 * P.n_heads) * P.n_chunks;
-        const float* mlp = P.work_ml + 2 * u0;
-        float M = red[b * kWarps];
-#pragma unroll
-        for (int i = 1; i < kWarps; ++i) M = fmaxf(M, red[b * kWarps + i]);
-        float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
-        float l = 0.f;
-#pragma unroll 4
-        for (int c = k; c < nc; c += K) {
-          const float wc = exp_diff(mlp[2 * c], M);
-          fma4(a, wc, *reinterpret_cast<const float4*>(P.work_o + (u0 + c) * P.hd + d));
-          l = fmaf(wc, mlp[2 * c + 1], l);
-        }
-        float* partA = part + b * stride;
-        *reinterpret_cast<float4*>(partA + k * P.hd + d) = a;
-        if (d == 0) partA[K * P.hd + k] = l;
-      }
-    }
-    __syncthreads();
-    for (int e = threadIdx.x; e < nb * d4s; e += kAttnThreads) {  // sums over k, 4 dims a thread
-      const int bb = e / d4s, dd = (e % d4s) * 4;
-      unsigned m = batch;
-      for (int i = 0; i < bb; ++i) m &= m - 1;
-      const int row = __ffs(m) - 1;
-      const float* partA = part + bb * stride;
-      const float* partL = partA + K * P.hd;
-      float4 a = *reinterpret_cast<const float4*>(partA + dd);
-      float L = partL[0];
-      for (int i = 1; i < K; ++i) {
-        const float4 v = *reinterpret_cast<const float4*>(partA + i * P.hd + dd);
-        a = make_float4(__fadd_rn(a.x, v.x), __fadd_rn(a.y, v.y), __fadd_rn(a.z, v.z), __fadd_rn(a.w, v.w));
-        L = __fadd_rn(L, partL[i]);
-      }
-      *reinterpret_cast<float4*>(P.out + (int64_t)row_qh[row] * P.hd + dd) =
-          make_float4(__fdiv_rn(a.x, L), __fdiv_rn(a.y, L), __fdiv_rn(a.z, L), __fdiv_rn(a.w, L));
-    }
-    if (mask != 0) __syncthreads();  // red and part are free for the next rows
-  }
-}
-
 // Persistent grid of min(items, resident blocks); a block takes items blockIdx.x + k*gridDim.x
 // and stops at the first chunk past the launch's last position. The next live item's first K
 // sub-tile is loaded while the current one finishes.
@@ -359,7 +257,6 @@ __global__ void __launch_bounds__(kAttnThreads, C::MINB) attn_chunk_kernel(const
   float* ml = smem + C::kMl;
   int* row_valid = reinterpret_cast<int*>(ml + 2 * C::RMAX);  // [RMAX] positions of this chunk a row sees
   int* row_qh = row_valid + C::RMAX;                          // [RMAX] query * n_heads + head
-  unsigned* last_rows = reinterpret_cast<unsigned*>(row_qh + C::RMAX);  // rows this block combines
 
   const int pos0 = *P.d_pos0 + P.r0;  // position of this launch's query 0 (positions < n_ctx <= 2^21)
   const int64_t total = (int64_t)P.n_chunks * P.n_kv * P.n_tiles;
@@ -394,7 +291,6 @@ __global__ void __launch_bounds__(kAttnThreads, C::MINB) attn_chunk_kernel(const
       row_valid[row] = row < it.R ? max(0, min(kChunk, min(p + 1, P.n_ctx) - it.j0)) : 0;
       row_qh[row] = (P.r0 + qi) * P.n_heads + it.g * P.group + gr % P.group;
     }
-    if (threadIdx.x == 0) *last_rows = 0;  // (the previous item's readers are past the barrier above)
 
     // ---- phase 1: scores of K sub-tiles. Warp w takes rows w%WR + WR*i and, when there are
     // fewer than 8 rows, the part w/WR of the positions (every warp busy in decode).
@@ -498,45 +394,73 @@ __global__ void __launch_bounds__(kAttnThreads, C::MINB) attn_chunk_kernel(const
         }
       }
     }
+  }
+}
 
-    // ---- multi-chunk rows: one ticket per partial from the (query, head)'s counter; the block
-    // that takes the last one combines the row and sets the counter back to 0.
-    if (P.n_chunks > 1 && pos0 + (it.row0 + it.R - 1) / P.group >= kChunk) {  // (uniform)
-      __threadfence();  // this thread's partials are visible device-wide...
-      __syncthreads();  // ...for every thread of the block, before any ticket is taken
-      if ((int)threadIdx.x < it.R) {
-        const int row = threadIdx.x, p = pos0 + (it.row0 + row) / P.group;
-        if (p >= kChunk && row_valid[row] > 0) {
-          uint32_t* count = P.counts + (row_qh[row] - P.r0 * P.n_heads);
-          __threadfence();
-          if (atomicAdd(count, 1u) == (uint32_t)(live_chunks(P, p) - 1)) {
-            *count = 0;  // every ticket of this launch is taken: ready for the next one
-            __threadfence();  // (acquire: the other blocks' partials are visible to the combine)
-            atomicOr(last_rows, 1u << row);
-          }
-        }
-      }
-      __syncthreads();
-      const unsigned mask = *last_rows;
-      if (mask != 0) {
-        __threadfence();
-        combine_rows<C>(P, it, pos0, mask, smem, row_qh);
-      }
+// grid (n_heads, nq), 256 threads, one block per (query, head) of a query with more than one
+// chunk. Thread t -> dims d = 4 (t % (hd/4)) and chunk class k = t / (hd/4) < K = 256/(hd/4):
+//   M = max_c m_c,  w_c = exp(m_c - M)
+//   A_k = sum_{c = k mod K, ascending} w_c o_c,  L_k likewise with l_c   (fmaf chains)
+//   out = (A_0 + A_1 + ... + A_{K-1}) / (L_0 + ... + L_{K-1})           (k ascending)
+// Fixed by (head_dim, the query's chunk count) alone. Dynamic shared memory: n_chunks (rounded up
+// to 4) + K*(hd+1) floats.
+__global__ void __launch_bounds__(kAttnThreads) attn_combine_kernel(const AttnParams P) {
+  gpu_grid_wait();  // (programmatic dependent launch: vendor.cuh)
+  gpu_grid_launch_dependents();
+  extern __shared__ float csm[];
+  __shared__ float red[kWarps];
+  const int h = blockIdx.x, r = blockIdx.y;  // r: launch-local query
+  const int64_t p = (int64_t)*P.d_pos0 + P.r0 + r;
+  const int nc = (int)min64(P.n_chunks, p / kChunk + 1);
+  if (nc <= 1) return;  // finished by the partial kernel
+  const int64_t u0 = ((int64_t)r * P.n_heads + h) * P.n_chunks;
+  const float* mlp = P.work_ml + 2 * u0;
+  const int d4s = P.hd / 4, K = kAttnThreads / d4s;
+  float* w = csm;                                // [n_chunks, rounded up to 4]
+  float* partA = csm + ((P.n_chunks + 3) & ~3);  // [K, hd] (16-byte aligned)
+  float* partL = partA + K * P.hd;       // [K]
+
+  float m = -INFINITY;
+  for (int c = threadIdx.x; c < nc; c += kAttnThreads) m = fmaxf(m, mlp[2 * c]);
+  m = group_max(m);
+  if (threadIdx.x % kGroup == 0) red[threadIdx.x / kGroup] = m;
+  __syncthreads();
+  float M = red[0];
+#pragma unroll
+  for (int i = 1; i < kWarps; ++i) M = fmaxf(M, red[i]);
+  for (int c = threadIdx.x; c < nc; c += kAttnThreads) w[c] = exp_diff(mlp[2 * c], M);
+  __syncthreads();
+
+  const int k = threadIdx.x / d4s, d = (threadIdx.x % d4s) * 4;
+  if (k < K) {
+    float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+    float l = 0.f;
+#pragma unroll 4
+    for (int c = k; c < nc; c += K) {
+      const float wc = w[c];
+      fma4(a, wc, *reinterpret_cast<const float4*>(P.work_o + (u0 + c) * P.hd + d));
+      l = fmaf(wc, mlp[2 * c + 1], l);
     }
+    *reinterpret_cast<float4*>(partA + k * P.hd + d) = a;
+    if (d == 0) partL[k] = l;
+  }
+  __syncthreads();
+  if (threadIdx.x < d4s) {
+    float4 a = *reinterpret_cast<const float4*>(partA + d);
+    float L = partL[0];
+    for (int i = 1; i < K; ++i) {
+      const float4 b = *reinterpret_cast<const float4*>(partA + i * P.hd + d);
+      a = make_float4(__fadd_rn(a.x, b.x), __fadd_rn(a.y, b.y), __fadd_rn(a.z, b.z), __fadd_rn(a.w, b.w));
+      L = __fadd_rn(L, partL[i]);
+    }
+    *reinterpret_cast<float4*>(P.out + ((int64_t)(P.r0 + r) * P.n_heads + h) * P.hd + d) =
+        make_float4(__fdiv_rn(a.x, L), __fdiv_rn(a.y, L), __fdiv_rn(a.z, L), __fdiv_rn(a.w, L));
   }
 }
 
 // ---- host side
 
 int n_chunks_of(int64_t n_ctx) { return (int)ceil_div(n_ctx, kChunk); }
-
-// Workspace (when n_ctx > 256): counters [kMaxQueriesPerLaunch, n_heads] uint32 (padded to 256
-// bytes) | o [nq, n_heads, n_chunks, hd] | (m, l) [nq, n_heads, n_chunks, 2] floats. The
-// counters come first and their size depends on n_heads alone, so they stay in place (and at
-// 0) whatever n and n_ctx a call has.
-size_t counter_bytes(int32_t n_heads) {
-  return (size_t)ceil_div((int64_t)sizeof(uint32_t) * kMaxQueriesPerLaunch * n_heads, 256) * 256;
-}
 
 // Queries per launch: all of them when no workspace is needed, else at most
 // kMaxQueriesPerLaunch and few enough for the workspace to stay near kWorkBudget.
@@ -589,7 +513,7 @@ size_t attention_workspace_bytes(int64_t n, int64_t n_ctx, int32_t n_heads, int3
   const int64_t nc = n_chunks_of(n_ctx);
   if (nc <= 1) return 0;
   const int64_t nq = queries_per_launch(n, n_ctx, n_heads, head_dim);
-  return counter_bytes(n_heads) + sizeof(float) * (size_t)(nq * n_heads * nc * (head_dim + 2));
+  return sizeof(float) * (size_t)(nq * n_heads * nc * (head_dim + 2));
 }
 
 void attention(const AttnArgs& a, gpuStream_t s) {
@@ -611,7 +535,7 @@ void attention(const AttnArgs& a, gpuStream_t s) {
   if (nc > 1 && !a.work)
     throw Error(at + "a workspace of attention_workspace_bytes(...) = " +
                 std::to_string(attention_workspace_bytes(a.n, a.n_ctx, a.n_heads, a.head_dim)) +
-                " bytes, zeroed once, is needed (n_ctx > " + std::to_string(kChunk) + ")");
+                " bytes is needed (n_ctx > " + std::to_string(kChunk) + ")");
   const int32_t group = a.n_heads / a.n_kv_heads;
   const int64_t nq = queries_per_launch(a.n, a.n_ctx, a.n_heads, a.head_dim);
   if (a.n_kv_heads > 65535) throw Error(at + "n_kv_heads must be <= 65535");
@@ -621,11 +545,8 @@ void attention(const AttnArgs& a, gpuStream_t s) {
   P.k = a.k_cache;
   P.v = a.v_cache;
   P.out = a.out;
-  if (a.work) {
-    P.counts = static_cast<uint32_t*>(a.work);
-    P.work_o = reinterpret_cast<float*>(static_cast<uint8_t*>(a.work) + counter_bytes(a.n_heads));
-    P.work_ml = P.work_o + (size_t)nq * a.n_heads * nc * a.head_dim;
-  }
+  P.work_o = static_cast<float*>(a.work);
+  P.work_ml = P.work_o ? P.work_o + (size_t)nq * a.n_heads * nc * a.head_dim : nullptr;
   P.d_pos0 = a.d_pos0;
   P.n_ctx = (int32_t)a.n_ctx;
   P.n_heads = a.n_heads;
@@ -639,6 +560,12 @@ void attention(const AttnArgs& a, gpuStream_t s) {
     P.nq = (int32_t)std::min<int64_t>(nq, a.n - r0);
     const int64_t rows = (int64_t)P.nq * group;
     launch_partial(P, a.kv_f16, rows, s);
+    if (nc > 1) {
+      const int K = kAttnThreads / (a.head_dim / 4);
+      const size_t smem = sizeof(float) * (size_t)(((nc + 3) & ~3) + K * (a.head_dim + 1));
+      gpu_launch("attn_combine_kernel", attn_combine_kernel, dim3((unsigned)a.n_heads, (unsigned)P.nq),
+                 dim3(kAttnThreads), smem, s, P);
+    }
   }
 }
 
@@ -657,7 +584,6 @@ void attention(const float* q, const void* k_cache, const void* v_cache, bool kv
   const size_t cache_bytes = (kv_f16 ? 2 : 4) * (size_t)(n_ctx * n_kv_heads * head_dim);
   DeviceBuffer dq(q_bytes), dk(cache_bytes), dv(cache_bytes), dout(q_bytes), dpos(sizeof(int32_t));
   DeviceBuffer work(attention_workspace_bytes(n, n_ctx, n_heads, head_dim));
-  if (work.size()) SPECD_GPU_CHECK(gpuMemset(work.get(), 0, work.size()));  // counters at 0, once
   to_device(dq.get(), q, q_bytes);
   to_device(dk.get(), k_cache, cache_bytes);
   to_device(dv.get(), v_cache, cache_bytes);
@@ -676,10 +602,6 @@ void attention(const float* q, const void* k_cache, const void* v_cache, bool kv
   a.scale = scale;
   a.out = dout.get<float>();
   a.work = work.get();
-  // Twice, the output set to NaN in between: the second call finds the counters back at 0 (a
-  // row left uncombined would stay NaN).
-  gpu::attention(a, nullptr);
-  SPECD_GPU_CHECK(gpuMemset(dout.get(), 0xff, q_bytes));
   gpu::attention(a, nullptr);
   SPECD_GPU_CHECK(gpuDeviceSynchronize());
   to_host(out, dout.get(), q_bytes);

@@ -4,11 +4,10 @@
 // Query r (position p = *d_pos0 + r) of head h reads KV head g = h / (n_heads/n_kv_heads)
 // at positions 0..p. Positions are cut into chunks of kAttnChunk at FIXED boundaries
 // (multiples of kAttnChunk); each (query, head, chunk) gives a partial (m = max score,
-// l = sum exp(s - m), o = sum exp(s - m) V), and a query's partials are combined in a fixed
-// order in the same launch, by the block that writes its last partial (a counter per
-// (query, head) in the workspace tells). So a query's output depends only on its position
-// and the cache, never on n or on the launch shape: BATCH-INVARIANT (bit-identical for
-// decode and verify), which lossless speculative decoding needs.
+// l = sum exp(s - m), o = sum exp(s - m) V), and a query's partials are combined in
+// ascending chunk order. So a query's output depends only on its position and the cache,
+// never on n or on the launch shape: BATCH-INVARIANT (bit-identical for decode and verify),
+// which lossless speculative decoding needs.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -31,13 +30,10 @@ struct AttnArgs {
   int32_t n_heads = 0, n_kv_heads = 0, head_dim = 0;  // head_dim <= 256
   float scale = 1.f;
   float* out = nullptr;             // device [n, n_heads*hd]
-  void* work = nullptr;             // device scratch of attention_workspace_bytes(...) bytes, zeroed once
+  void* work = nullptr;             // device scratch of attention_workspace_bytes(...) bytes
 };
 
-// Scratch needed for these sizes (0 allowed for none). It holds counters that must be 0 when
-// attention() runs: zero it once when it is allocated (or grown); every call leaves them at 0.
-// The counters are its first bytes and depend on n_heads alone, so one buffer, grown for
-// larger n or n_ctx and zeroed when it grows, serves every call of a model.
+// Scratch needed for these sizes (0 allowed for none).
 size_t attention_workspace_bytes(int64_t n, int64_t n_ctx, int32_t n_heads, int32_t head_dim);
 
 // Launch shapes depend only on (n, n_ctx, heads, head_dim): graph-capturable; chunks past

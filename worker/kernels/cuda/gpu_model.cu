@@ -125,8 +125,8 @@ class GpuKv final : public KvStore {
 
 class GpuModel final : public ForwardModel {
  public:
-  GpuModel(const ModelConfig& cfg, const std::vector<TensorRef>& tensors, int device_index)
-      : host_(cfg, tensors), index_(device_index) {
+  GpuModel(const ModelConfig& cfg, const std::vector<TensorRef>& tensors, int device_index, bool tensor_cores)
+      : host_(cfg, tensors), index_(device_index), tensor_cores_(tensor_cores) {
     info_ = gpu::select_device(device_index);
     const ModelConfig& c = host_.config();
     // ---- what it needs: weights + small vectors, then a working margin
@@ -289,10 +289,7 @@ class GpuModel final : public ForwardModel {
       grow(argmax_work_, gpu::argmax_workspace_bytes(n, c.n_vocab));
       SPECD_GPU_CHECK(gpuMemsetAsync(argmax_work_.get(), 0, argmax_work_.size(), stream_));  // counters at 0
     }
-    if (gpu::attention_workspace_bytes(n, n_ctx, c.n_heads, c.head_dim) > work_.size()) {
-      grow(work_, gpu::attention_workspace_bytes(n, n_ctx, c.n_heads, c.head_dim));
-      SPECD_GPU_CHECK(gpuMemsetAsync(work_.get(), 0, work_.size(), stream_));  // counters at 0
-    }
+    grow(work_, gpu::attention_workspace_bytes(n, n_ctx, c.n_heads, c.head_dim));
     staging_.reserve(n);
   }
 
@@ -394,6 +391,7 @@ class GpuModel final : public ForwardModel {
       const GpuLayer& L = layers_[(size_t)l];
       // ---- attention block
       gpu::LinearArgs a;
+      a.tensor_cores = tensor_cores_;
       a.w[0] = &L.wq;
       a.w[1] = &L.wk;
       a.w[2] = &L.wv;
@@ -447,6 +445,7 @@ class GpuModel final : public ForwardModel {
       gpu::attention(at, s);
 
       gpu::LinearArgs o;
+      o.tensor_cores = tensor_cores_;
       o.w[0] = &L.wo;
       o.x = att;
       o.n = n;
@@ -457,6 +456,7 @@ class GpuModel final : public ForwardModel {
 
       // ---- FFN block
       gpu::LinearArgs f;
+      f.tensor_cores = tensor_cores_;
       f.w[0] = &L.w_gate;
       f.w[1] = &L.w_up;
       f.n_w = 2;
@@ -468,6 +468,7 @@ class GpuModel final : public ForwardModel {
       gpu::linear(f, s);
 
       gpu::LinearArgs d;
+      d.tensor_cores = tensor_cores_;
       d.w[0] = &L.w_down;
       d.x = act;
       d.n = n;
@@ -489,6 +490,7 @@ class GpuModel final : public ForwardModel {
     const int64_t rows = head == Head::All ? n : 1;
     const float* hx = head == Head::All ? h : h + (n - 1) * dim;
     gpu::LinearArgs out;
+    out.tensor_cores = tensor_cores_;
     out.w[0] = &output_;
     out.n = rows;
     out.y = logits;
@@ -514,6 +516,7 @@ class GpuModel final : public ForwardModel {
 
   Model host_;  // resolved and checked host views (the memmapped file)
   int index_;
+  bool tensor_cores_;  // small forwards read the weights on tensor cores where they can
   gpu::DeviceInfo info_;
   gpuStream_t stream_ = nullptr;
   DeviceBuffer arena_;  // every weight and vector
@@ -531,8 +534,8 @@ class GpuModel final : public ForwardModel {
 }  // namespace
 
 std::unique_ptr<ForwardModel> make_gpu_model(const ModelConfig& cfg, const std::vector<TensorRef>& tensors,
-                                             int device_index) {
-  return std::make_unique<GpuModel>(cfg, tensors, device_index);
+                                             int device_index, bool tensor_cores) {
+  return std::make_unique<GpuModel>(cfg, tensors, device_index, tensor_cores);
 }
 
 }  // namespace specd

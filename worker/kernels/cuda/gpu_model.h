@@ -10,8 +10,9 @@ namespace specd {
 
 // Uploads the model to GPU `device_index` (cuda:N / hip:N) and returns it as a
 // ForwardModel; throws Error when the device is missing or the model does not fit
-// (saying how much memory it needs and how much the device has free).
+// (saying how much memory it needs and how much the device has free). tensor_cores: see
+// LinearArgs::tensor_cores (cuda/linear.cuh).
 std::unique_ptr<ForwardModel> make_gpu_model(const ModelConfig& cfg, const std::vector<TensorRef>& tensors,
-                                             int device_index);
+                                             int device_index, bool tensor_cores = false);
 
 }  // namespace specd

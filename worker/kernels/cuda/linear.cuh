@@ -8,11 +8,11 @@
 //    row r of y is bit-identical whatever n is and whatever the other rows hold (each row's
 //    dot products use the same mapping and reduction order). Lossless speculation needs
 //    this: verifying k+1 positions must give the logits one decode step gives. Two readers,
-//    chosen by the weight types and the device only (never by n): tensor cores where every
-//    weight is F16 (and with SPECD_GPU_TC=all also Q8_0, Q4_K, Q6_K) on NVIDIA sm_80+
-//    (matvec_tc.cu: x split into two fp16 halves, exact weights, float32 MMA accumulation; a
-//    verify of 16 positions costs ~1.6 decode steps), else float32 FMAs on the CUDA cores
-//    (matvec.cu).
+//    chosen by LinearArgs::tensor_cores, the weight types and the device (never by n):
+//    tensor cores when asked and every weight is F16 (with SPECD_GPU_TC=all also Q8_0, Q4_K,
+//    Q6_K) on NVIDIA sm_80+ (matvec_tc.cu: x split into two fp16 halves, exact weights,
+//    float32 MMA accumulation; a verify of 16 positions costs ~1.6 decode steps), else
+//    float32 FMAs on the CUDA cores (matvec.cu).
 //  * n > kMaxSmallBatch (prefill): tiles of W are decoded to fp16 in shared memory and
 //    multiplied on tensor cores (wmma, fp16 x fp16 -> fp32 accumulate; the FMA fallback of
 //    the same tiling on HIP). Activations are rounded to fp16 (relative error ~1e-3).
@@ -46,6 +46,12 @@ struct LinearArgs {
   float* y = nullptr;            // device [n, ldy]; must not overlap x
   int64_t ldy = 0;               // >= total output columns of the epilogue
   Epilogue ep = Epilogue::Store;
+  // Small path on tensor cores (matvec_tc.cu) where the weights' types have a reader there:
+  // a verify of k+1 positions costs about one decode step, one decode step ~15 % more than on
+  // the CUDA cores (H200). Batch invariance holds within one choice: a model makes it once.
+  // SPECD_GPU_TC overrides it for benchmarks: "0" never, "f16" F16 always, "all" also Q8_0,
+  // Q4_K, Q6_K always.
+  bool tensor_cores = false;
 };
 
 // Validates the arguments (throws Error naming the problem) and launches on `s`.

@@ -616,7 +616,7 @@ GpuWeight upload_weight(const WeightView& w, std::vector<DeviceBuffer>& keep) {
 }  // namespace
 
 void linear(const std::vector<WeightView>& ws, const std::vector<const float*>& biases, const float* x, int64_t n,
-            const float* norm_w, float eps, int32_t epilogue, float* y, int64_t ldy) {
+            const float* norm_w, float eps, int32_t epilogue, float* y, int64_t ldy, bool tensor_cores) {
   SPECD_CHECK(!ws.empty() && ws.size() <= 3, "linear takes 1..3 weights");
   SPECD_CHECK(biases.size() == ws.size(), "give one bias (or null) per weight");
   SPECD_CHECK(n >= 1, "linear: n (rows of x) must be >= 1, got " + std::to_string(n));
@@ -646,6 +646,7 @@ void linear(const std::vector<WeightView>& ws, const std::vector<const float*>& 
   a.y = keep.back().get<float>();
   a.ldy = ldy;
   a.ep = static_cast<Epilogue>(epilogue);
+  a.tensor_cores = tensor_cores;
   gpu::linear(a, nullptr);
   SPECD_GPU_CHECK(gpuStreamSynchronize(nullptr));
   to_host(y, a.y, sizeof(float) * (size_t)(n * ldy));

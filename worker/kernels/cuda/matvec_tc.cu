@@ -1,7 +1,7 @@
 // specd/cuda/matvec_tc.cu: linear() for n <= kMaxSmallBatch rows of x on TENSOR CORES, for
 // F16, Q8_0, Q4_K and Q6_K weights with K % 32 == 0 on NVIDIA sm_80+ (other types, HIP and
-// older GPUs take matvec.cu; by default F16 only, SPECD_GPU_TC=all adds the quantized types,
-// =0 turns the path off: see tc_type()). Same
+// older GPUs take matvec.cu; taken when LinearArgs::tensor_cores asks, for F16; SPECD_GPU_TC
+// overrides: see tc_type()). Same
 // contract as matvec.cu: float32-accurate and BATCH-INVARIANT, so decode (n = 1) and a
 // speculative verify (n = k + 1) give bit-identical rows; but the work per weight is a
 // fraction of an instruction, so a verify of 16 positions costs about what one decode step
@@ -504,39 +504,40 @@ void launch_tc(const TcParams& p, int nt, int ctas, gpuStream_t s) {
   }
 }
 
-// Types read on tensor cores. SPECD_GPU_TC: unset or "f16" (default): F16 only; "all": also
-// Q8_0, Q4_K, Q6_K; "0": none. (Measured on an H200, 2026-11-30: the tensor-core path makes a
-// 16-position verify cost ~1.6 decode steps instead of ~5.9, but decodes one position 13-19 %
-// slower for F16 and 26-45 % slower for Q8_0 / Q4_K_M, whose scattered block reads it does not
-// stage yet: F16 takes it by default, the quantized types on request.)
-bool tc_type(GgmlType t) {
-  static const bool all = [] {
+// SPECD_GPU_TC (read once): unset: LinearArgs::tensor_cores decides, for F16; "0": never;
+// "f16": F16 always; "all": F16, Q8_0, Q4_K and Q6_K always. (Measured on an H200,
+// 2026-11-30: on tensor cores a 16-position verify costs ~1.6 decode steps instead of ~5.9,
+// but one decode step is 13-19 % slower for F16 and 26-45 % slower for Q8_0 / Q4_K_M, whose
+// scattered block reads are not staged yet: so F16 only, and only for engines that speculate.)
+enum class TcMode { Option, Off, F16, All };
+TcMode tc_mode() {
+  static const TcMode m = [] {
     const char* e = std::getenv("SPECD_GPU_TC");
-    return e && std::string(e) == "all";
+    const std::string v = e ? e : "";
+    return v == "0" ? TcMode::Off : v == "f16" ? TcMode::F16 : v == "all" ? TcMode::All : TcMode::Option;
   }();
-  if (t == GgmlType::F16) return true;
-  return all && (t == GgmlType::Q8_0 || t == GgmlType::Q4_K || t == GgmlType::Q6_K);
+  return m;
 }
 
-bool tc_enabled() {
-  static const bool on = [] {
-    const char* e = std::getenv("SPECD_GPU_TC");
-    return !(e && std::string(e) == "0");
-  }();
-  return on && dev_limits().mma;
+bool tc_type(GgmlType t, bool asked) {
+  const TcMode m = tc_mode();
+  if (t == GgmlType::F16) return m == TcMode::F16 || m == TcMode::All || (m == TcMode::Option && asked);
+  return m == TcMode::All && (t == GgmlType::Q8_0 || t == GgmlType::Q4_K || t == GgmlType::Q6_K);
 }
+
+bool tc_enabled() { return dev_limits().mma; }
 
 }  // namespace
 
-// Takes the call (returns true) when every weight has a tensor-core reader and the device
-// has the MMAs; the choice depends on the weight types and the device only (never on n),
-// so a weight is read the same way for decode and verify. Arguments checked by linear().
+// Takes the call (returns true) when asked (a.tensor_cores, or SPECD_GPU_TC), every weight has a
+// tensor-core reader and the device has the MMAs; the choice never depends on n, so a model
+// reads a weight the same way for decode and verify. Arguments checked by linear().
 bool tc_linear(const LinearArgs& a, gpuStream_t s) {
   if (SPECD_HIP || a.n > kMaxSmallBatch || !tc_enabled()) return false;
   const int64_t K = a.w[0]->n_in;
   if (K % kUnit != 0) return false;
   for (int j = 0; j < a.n_w; ++j)
-    if (!tc_type(a.w[j]->type)) return false;
+    if (!tc_type(a.w[j]->type, a.tensor_cores)) return false;
   if (a.ep == Epilogue::SwiGLU && a.w[0]->type != a.w[1]->type) return false;  // one type per CTA
   TcParams p;
   p.n_w = a.n_w;

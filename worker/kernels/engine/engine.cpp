@@ -97,7 +97,7 @@ struct Engine::Sequence {
 };
 
 Engine::Engine(const ModelConfig& cfg, const std::vector<TensorRef>& tensors, const EngineOptions& opt)
-    : model_(make_model(cfg, tensors, opt.device)), opt_(opt) {
+    : model_(make_model(cfg, tensors, opt.device, opt.tensor_cores)), opt_(opt) {
   const ModelConfig& c = model_->config();
   SPECD_CHECK(opt.n_ctx >= 0, "n_ctx must be >= 0 (0 = min(n_ctx_train, 4096)), got " + std::to_string(opt.n_ctx));
   SPECD_CHECK(opt.max_batch > 0, "max_batch must be positive, got " + std::to_string(opt.max_batch));
@@ -262,7 +262,7 @@ void Engine::set_draft_model(const ModelConfig& cfg, const std::vector<TensorRef
   if (cfg.n_vocab != model_->config().n_vocab)
     throw Error("draft model vocabulary differs from the target's: " + std::to_string(cfg.n_vocab) + " tokens vs " +
                 std::to_string(model_->config().n_vocab) + "; use a draft of the same model family and tokenizer");
-  draft_model_ = make_model(cfg, tensors, opt_.device);
+  draft_model_ = make_model(cfg, tensors, opt_.device, opt_.tensor_cores);
 }
 
 void Engine::register_drafter(const std::string& name, DrafterFactory factory) {

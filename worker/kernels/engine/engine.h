@@ -39,6 +39,7 @@ struct EngineOptions {
   bool kv_f16 = true;       // fp16 KV cache (default) or fp32
   int64_t max_batch = 256;  // positions per forward when prefilling (bounds scratch memory)
   std::string device = "cpu";  // "cpu" | "cuda:N" | "hip:N" (model/forward.h make_model)
+  bool tensor_cores = false;   // GPU: decode/verify forwards on tensor cores (make_model); for speculation
 };
 
 constexpr int32_t kMaxDraft = 32;  // largest k of set_speculation

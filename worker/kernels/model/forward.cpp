@@ -47,11 +47,13 @@ DeviceSpec parse_device(const std::string& device) {
 }
 
 std::unique_ptr<ForwardModel> make_model(const ModelConfig& cfg, const std::vector<TensorRef>& tensors,
-                                         const std::string& device) {
+                                         const std::string& device, bool tensor_cores) {
   const DeviceSpec d = parse_device(device);
   if (d.kind == "cpu") return std::make_unique<Model>(cfg, tensors);
 #if SPECD_WITH_GPU
-  if (d.kind == SPECD_BACKEND_NAME) return make_gpu_model(cfg, tensors, d.index);
+  if (d.kind == SPECD_BACKEND_NAME) return make_gpu_model(cfg, tensors, d.index, tensor_cores);
+#else
+  (void)tensor_cores;
 #endif
   throw Error("device '" + device + "': this specd was built with SPECD_BACKEND=" + SPECD_BACKEND_NAME +
               "; rebuild it with SPECD_BACKEND=" + d.kind + " (pip install . with that environment variable) or use "

@@ -75,8 +75,10 @@ class ForwardModel {
 
 // "cpu" -> the CPU Model; "cuda:N" / "hip:N" -> the GPU model (when built with that
 // backend; otherwise an Error saying how to build it). The tensors must outlive the model.
+// tensor_cores (GPU only): read the weights of decode/verify forwards on tensor cores where
+// the GPU reader exists (cuda/linear.cuh); a speculative engine wants it.
 std::unique_ptr<ForwardModel> make_model(const ModelConfig& cfg, const std::vector<TensorRef>& tensors,
-                                         const std::string& device);
+                                         const std::string& device, bool tensor_cores = false);
 
 // Parses "cpu" | "cuda" | "cuda:N" | "hip" | "hip:N"; throws Error otherwise.
 struct DeviceSpec {
