@@ -19,6 +19,10 @@ time(one tg step) = 16 * tg / pp16 (llama-bench's pp16 outputs one logits row, a
 the output head is read once either way). Ratios are specd / llama.cpp (> 1: specd faster;
 for verify cost < 1 is better).
 
+With --variant NAME:VAR=VALUE[,VAR=VALUE] (repeatable), specd runs once more per model with
+those environment settings, forwards and verify widths only (e.g. nopdl:SPECD_GPU_PDL=0,
+tc:SPECD_GPU_TC=f16, notc:SPECD_GPU_TC=0), and a second table compares them to the default run.
+
 Writes OUT/gpu_<machine>_<date>.json (machine, command, every sample) and a PNG.
 
     python bench/bench_gpu.py MODEL.gguf ... [--llama-bench build/bin/llama-bench] [--out DIR]
