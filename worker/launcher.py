@@ -35,6 +35,24 @@ from typing import TextIO
 from worker.errors import SpecdError
 from worker.redis_local import LocalRedis, check_url, die_with_parent, env_url, start_local
 
+
+def child_pythonpath(env: Mapping[str, str]) -> str:
+    """PYTHONPATH for the workers and the gateway, which start with `python -P` (no current
+    directory on sys.path): from inside a source checkout, `python -m worker.cli` would
+    otherwise import the checkout's `worker/`, which holds no built engine unless it is the
+    editable install. When this `worker` package was not imported from a site-packages
+    folder (a checkout on PYTHONPATH or the current directory), its folder goes first, so
+    children run the same code as `specd up`."""
+    import site
+
+    import worker
+
+    root = str(Path(worker.__file__).resolve().parent.parent)
+    sites = {str(Path(p).resolve()) for p in [*site.getsitepackages(), site.getusersitepackages()]}
+    rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != root]
+    return os.pathsep.join(rest if root in sites else [root, *rest])
+
+
 DEFAULT_PORT = 8000
 DEFAULT_HOST = "127.0.0.1"
 
@@ -335,8 +353,8 @@ class Stack:
             self.say(f"Redis: {self.redis_url} (from {self.redis_source})")
         cfg = self.config
         threads = cfg.threads()
-        child_env = {**self.env, "PYTHONUNBUFFERED": "1"}
-        cli = [sys.executable, "-m", "worker.cli"]
+        child_env = {**self.env, "PYTHONUNBUFFERED": "1", "PYTHONPATH": child_pythonpath(self.env)}
+        cli = [sys.executable, "-P", "-m", "worker.cli"]  # -P: see child_pythonpath
         prefix = ["--prefix", self.prefix]
         self.say(f"starting {cfg.workers} worker(s) ({threads} thread(s) each) and the gateway")
         for i in range(1, cfg.workers + 1):
