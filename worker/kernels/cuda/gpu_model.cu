@@ -373,6 +373,24 @@ class GpuModel final : public ForwardModel {
     float *act = act_.get<float>(), *q = q_.get<float>();
     const int32_t* d_pos = inputs_.get<int32_t>();  // [0]: pos0; tokens from kTok0
 
+    // The arguments every product of this forward shares: this model's reader choice, the
+    // epilogue and the output.
+    auto linear_args = [&](gpu::Epilogue ep, float* y, int64_t ldy, int64_t rows) {
+      gpu::LinearArgs a;
+      a.tensor_cores = tensor_cores_;
+      a.ep = ep;
+      a.y = y;
+      a.ldy = ldy;
+      a.n = rows;
+      return a;
+    };
+    // h += x W^T: the residual add fused into the product
+    auto add_to_h = [&](const GpuWeight& w, const float* x) {
+      gpu::LinearArgs a = linear_args(gpu::Epilogue::Accumulate, h, dim, n);
+      a.w[0] = &w;
+      a.x = x;
+      gpu::linear(a, s);
+    };
     // RMSNorm(x) * w as the input of `a`: fused into the matrix kernel for small forwards
     // (batch-invariant path), a separate launch into xn for the tensor-core path.
     auto normed_input = [&](gpu::LinearArgs& a, const float* x, const float* w, int64_t rows) {
@@ -390,8 +408,7 @@ class GpuModel final : public ForwardModel {
     for (int32_t l = 0; l < c.n_layers; ++l) {
       const GpuLayer& L = layers_[(size_t)l];
       // ---- attention block
-      gpu::LinearArgs a;
-      a.tensor_cores = tensor_cores_;
+      gpu::LinearArgs a = linear_args(gpu::Epilogue::Store, qkv, qkv_ld, n);
       a.w[0] = &L.wq;
       a.w[1] = &L.wk;
       a.w[2] = &L.wv;
@@ -399,9 +416,6 @@ class GpuModel final : public ForwardModel {
       a.bias[0] = L.bq;
       a.bias[1] = L.bk;
       a.bias[2] = L.bv;
-      a.n = n;
-      a.y = qkv;
-      a.ldy = qkv_ld;
       normed_input(a, h, L.attn_norm, n);
       gpu::linear(a, s);
 
@@ -444,38 +458,17 @@ class GpuModel final : public ForwardModel {
       at.work = work_.get();
       gpu::attention(at, s);
 
-      gpu::LinearArgs o;
-      o.tensor_cores = tensor_cores_;
-      o.w[0] = &L.wo;
-      o.x = att;
-      o.n = n;
-      o.y = h;
-      o.ldy = dim;
-      o.ep = gpu::Epilogue::Accumulate;
-      gpu::linear(o, s);
+      add_to_h(L.wo, att);
 
       // ---- FFN block
-      gpu::LinearArgs f;
-      f.tensor_cores = tensor_cores_;
+      gpu::LinearArgs f = linear_args(gpu::Epilogue::SwiGLU, act, c.ffn_dim, n);
       f.w[0] = &L.w_gate;
       f.w[1] = &L.w_up;
       f.n_w = 2;
-      f.n = n;
-      f.y = act;
-      f.ldy = c.ffn_dim;
-      f.ep = gpu::Epilogue::SwiGLU;
       normed_input(f, h, L.ffn_norm, n);
       gpu::linear(f, s);
 
-      gpu::LinearArgs d;
-      d.tensor_cores = tensor_cores_;
-      d.w[0] = &L.w_down;
-      d.x = act;
-      d.n = n;
-      d.y = h;
-      d.ldy = dim;
-      d.ep = gpu::Epilogue::Accumulate;
-      gpu::linear(d, s);
+      add_to_h(L.w_down, act);
 
       if (capture) {  // h after block l -> out[i, j] for every j with layers[j] == l
         const int32_t nc = capture->n_layers;
@@ -489,12 +482,8 @@ class GpuModel final : public ForwardModel {
     if (head == Head::None) return;
     const int64_t rows = head == Head::All ? n : 1;
     const float* hx = head == Head::All ? h : h + (n - 1) * dim;
-    gpu::LinearArgs out;
-    out.tensor_cores = tensor_cores_;
+    gpu::LinearArgs out = linear_args(gpu::Epilogue::Store, logits, c.n_vocab, rows);
     out.w[0] = &output_;
-    out.n = rows;
-    out.y = logits;
-    out.ldy = c.n_vocab;
     normed_input(out, hx, output_norm_, rows);
     gpu::linear(out, s);
     if (argmax) gpu::argmax_rows(logits, rows, c.n_vocab, tops_.get<int32_t>(), argmax_work_.get(), s);

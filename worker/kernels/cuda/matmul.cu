@@ -19,6 +19,7 @@
 #include <mutex>
 
 #include "cuda/linear.cuh"
+#include "cuda/linear_params.cuh"
 #include "cuda/quants.cuh"
 
 #if SPECD_WMMA
@@ -42,24 +43,8 @@ constexpr int kXUnroll = 1, kWUnroll = 1;  // loads in flight per thread (sm_75 
 constexpr int kXUnroll = 4, kWUnroll = 2;
 #endif
 
-struct MmWeight {
-  const uint8_t* data = nullptr;
-  size_t stride = 0;
-  int64_t n_out = 0;
-  GgmlType type = GgmlType::F32;
-  const float* bias = nullptr;
-  int64_t col = 0;    // first column of y (Store)
-  int32_t cta0 = 0;   // first blockIdx.y of this weight
-};
-
-struct MmParams {
-  MmWeight w[3];
-  int32_t n_w = 1;
-  Epilogue ep = Epilogue::Store;
-  const float* x = nullptr;  // [n, K]
-  float* y = nullptr;        // [n, ldy]
-  int64_t ldy = 0, n = 0, K = 0;
-};
+using MmWeight = LinWeight;  // cta0: first blockIdx.y of the weight
+using MmParams = LinParams;
 
 __device__ __forceinline__ void store_half4(__half* dst, float a, float b, float c, float d) {
   __half2* h = reinterpret_cast<__half2*>(dst);
@@ -230,28 +215,7 @@ __global__ void __launch_bounds__(kThreads, 2) matmul_kernel(const MmParams p) {
 void matmul_large(const LinearArgs& a, gpuStream_t s) {
   SPECD_CHECK(a.norm_w == nullptr, "linear: the fused RMSNorm is not available for n > kMaxSmallBatch");
   MmParams p;
-  p.n_w = a.n_w;
-  p.ep = a.ep;
-  p.x = a.x;
-  p.y = a.y;
-  p.ldy = a.ldy;
-  p.n = a.n;
-  p.K = a.w[0]->n_in;
-  int64_t ctas = 0, col = 0;
-  for (int j = 0; j < a.n_w; ++j) {
-    const GpuWeight& w = *a.w[j];
-    MmWeight& m = p.w[j];
-    m.data = w.data;
-    m.stride = w.row_stride;
-    m.n_out = w.n_out;
-    m.type = w.type;
-    m.bias = a.bias[j];
-    m.col = col;
-    col += w.n_out;
-    m.cta0 = (int32_t)ctas;
-    if (a.ep != Epilogue::SwiGLU) ctas += ceil_div(w.n_out, BN);
-  }
-  if (a.ep == Epilogue::SwiGLU) ctas = ceil_div(a.w[0]->n_out, BN / 2);
+  const int64_t ctas = fill_params(p, a, BN);  // SwiGLU: BN / 2 gate rows over the same up rows
   SPECD_CHECK(ctas <= 65535, "linear: too many output rows for one launch (" + std::to_string(ctas) +
                                  " tiles of " + std::to_string(BN) + ")");
   static std::once_flag once;

@@ -25,6 +25,7 @@
 #include <string>
 
 #include "cuda/linear.cuh"
+#include "cuda/linear_params.cuh"
 #include "cuda/quants.cuh"
 #include "cuda/testing.h"
 
@@ -95,28 +96,13 @@ __device__ __forceinline__ float4 ldg4(const float* p) { return __ldg(reinterpre
 
 // ---- kernel parameters
 
-struct MvWeight {
-  const uint8_t* data = nullptr;
+struct MvWeight : LinWeight {    // (cta0: first blockIdx.x of the weight)
   const uint8_t* end = nullptr;  // data + n_out * stride: copies never read past it
-  size_t stride = 0;
-  int64_t n_out = 0;
-  const float* bias = nullptr;   // [n_out] or null
-  int64_t col = 0;               // first column of y (Store)
-  int32_t cta0 = 0;              // first blockIdx.x of this weight
   int32_t stage_bytes = 0;       // bytes of one row per full stage
   int32_t last_bytes = 0;        // ... in the last stage
-  GgmlType type = GgmlType::F32;
 };
 
-struct MvParams {
-  MvWeight w[3];
-  int32_t n_w = 1;
-  Epilogue ep = Epilogue::Store;
-  const float* x = nullptr;       // [n, K]
-  const float* norm_w = nullptr;  // [K] or null
-  float eps = 0.f;
-  float* y = nullptr;             // [n, ldy]
-  int64_t ldy = 0, n = 0, K = 0;
+struct MvParams : LinParamsOf<MvWeight> {
   int32_t stage_elems = 1024;     // K elements per stage
   int32_t pitch = 0;              // shared bytes per staged row
 };
@@ -518,60 +504,32 @@ void linear(const LinearArgs& a, gpuStream_t s) {
     return;
   }
   if (tc_linear(a, s)) return;
-  MvParams p;
-  p.n_w = a.n_w;
-  p.ep = a.ep;
-  p.x = a.x;
-  p.norm_w = a.norm_w;
-  p.eps = a.eps;
-  p.y = a.y;
-  p.ldy = a.ldy;
-  p.n = a.n;
-  p.K = a.w[0]->n_in;
+  const int64_t K = a.w[0]->n_in;
   const int nr = std::min<int>(max_tile(), a.n <= 1 ? 1 : a.n <= 2 ? 2 : a.n <= 4 ? 4 : a.n <= 8 ? 8 : 16);
   const int64_t tiles = ceil_div(a.n, nr);
+  // Weight rows per group: tiles of up to 4 x rows take 2 (16 rows per CTA) unless that
+  // leaves fewer than ~2 CTAs per SM; tiles of 8 and 16 take 4 (each x load feeds 4 rows)
+  // unless that leaves fewer CTAs than SMs. SwiGLU counts gate and up rows: 2, or 4 for
+  // tiles of 8 and 16.
+  const int64_t sms = dev_limits().sms;
+  const int hi = nr <= 4 ? 2 : 4;
+  int rpg = cta_count(a, (int64_t)hi * kWarps) * tiles >= (nr <= 4 ? 2 * sms : sms) ? hi : hi / 2;
+  if (a.ep == Epilogue::SwiGLU && nr <= 4) rpg = 2;  // a (gate, up) pair per group at least
+  MvParams p;
+  const int64_t ctas = fill_params(p, a, (int64_t)kWarps * rpg);
   int se = 1024;
   for (int j = 0; j < a.n_w; ++j) se = std::min(se, stage_elems_for(a.w[j]->type));
   p.stage_elems = se;
-  int64_t col = 0;
+  const int64_t last = K - (ceil_div(K, se) - 1) * se;  // elements in the last stage
   for (int j = 0; j < a.n_w; ++j) {
-    const GpuWeight& w = *a.w[j];
     MvWeight& m = p.w[j];
-    m.data = w.data;
-    m.stride = w.row_stride;
-    m.end = w.data + (size_t)w.n_out * w.row_stride;
-    m.n_out = w.n_out;
-    m.type = w.type;
-    m.bias = a.bias[j];
-    m.col = col;
-    m.stage_bytes = se / block_elems(w.type) * block_bytes(w.type);
-    const int64_t last = p.K - (ceil_div(p.K, se) - 1) * se;  // elements in the last stage
-    m.last_bytes = (int32_t)(last / block_elems(w.type) * block_bytes(w.type));
-    col += w.n_out;
-    p.pitch = std::max(p.pitch, stage_pitch(w.type, se));
-  }
-  // Weight rows per group: tiles of up to 4 x rows take 2 (16 rows per CTA) unless that
-  // leaves fewer than ~2 CTAs per SM; tiles of 8 and 16 take 4 (each x load feeds 4 rows)
-  // unless that leaves fewer CTAs than SMs. SwiGLU counts gate and up rows: 2 or 4.
-  const int64_t sms = dev_limits().sms;
-  const int hi = nr <= 4 ? 2 : 4, lo = hi / 2;
-  int rpg = hi;
-  int64_t ctas = 0;
-  if (a.ep == Epilogue::SwiGLU) {
-    if (nr > 4 && ceil_div(a.w[0]->n_out, (int64_t)kWarps * 2) * tiles < sms) rpg = 2;
-    if (nr <= 4) rpg = 2;
-    ctas = ceil_div(a.w[0]->n_out, (int64_t)kWarps * (rpg / 2));
-  } else {
-    int64_t c_hi = 0;
-    for (int j = 0; j < a.n_w; ++j) c_hi += ceil_div(a.w[j]->n_out, (int64_t)hi * kWarps);
-    rpg = c_hi * tiles >= (nr <= 4 ? 2 * sms : sms) ? hi : lo;
-    for (int j = 0; j < a.n_w; ++j) {
-      p.w[j].cta0 = (int32_t)ctas;
-      ctas += ceil_div(a.w[j]->n_out, (int64_t)kWarps * rpg);
-    }
+    m.end = m.data + (size_t)m.n_out * m.stride;
+    m.stage_bytes = se / block_elems(m.type) * block_bytes(m.type);
+    m.last_bytes = (int32_t)(last / block_elems(m.type) * block_bytes(m.type));
+    p.pitch = std::max(p.pitch, stage_pitch(m.type, se));
   }
   SPECD_CHECK(ctas < (int64_t)1 << 31, "linear: too many output rows");
-  SPECD_CHECK(a.n * p.K < (int64_t)1 << 31, "linear: x has more than 2^31 elements");
+  SPECD_CHECK(a.n * K < (int64_t)1 << 31, "linear: x has more than 2^31 elements");
   const size_t smem = (size_t)kStages * kWarps * rpg * p.pitch;
   switch (nr) {
     case 1: launch_matvec<1>(p, rpg, (int)ctas, smem, s); break;

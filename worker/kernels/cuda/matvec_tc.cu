@@ -44,6 +44,7 @@
 #include <string>
 
 #include "cuda/linear.cuh"
+#include "cuda/linear_params.cuh"
 #include "cuda/quants.cuh"
 
 #if !SPECD_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -61,26 +62,8 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / kGroup;
 constexpr int kUnit = 32;  // K elements per unit
 
-struct TcWeight {
-  const uint8_t* data = nullptr;
-  size_t stride = 0;
-  int64_t n_out = 0;
-  const float* bias = nullptr;
-  int64_t col = 0;    // first column of y (Store)
-  int32_t cta0 = 0;   // first blockIdx.x of this weight
-  GgmlType type = GgmlType::F16;
-};
-
-struct TcParams {
-  TcWeight w[3];
-  int32_t n_w = 1;
-  Epilogue ep = Epilogue::Store;
-  const float* x = nullptr;       // [n, K]
-  const float* norm_w = nullptr;  // [K] or null
-  float eps = 0.f;
-  float* y = nullptr;
-  int64_t ldy = 0, n = 0, K = 0;
-};
+using TcWeight = LinWeight;  // cta0: first blockIdx.x of the weight
+using TcParams = LinParams;
 
 #if SPECD_MMA
 // d += A (16 x 16, rows g/g+8, slots 2c.. and 2c+8..) * B (16 x 8), fp16 in, float32 accumulate
@@ -525,55 +508,23 @@ bool tc_type(GgmlType t, bool asked) {
   return m == TcMode::All && (t == GgmlType::Q8_0 || t == GgmlType::Q4_K || t == GgmlType::Q6_K);
 }
 
-bool tc_enabled() { return dev_limits().mma; }
-
 }  // namespace
 
 // Takes the call (returns true) when asked (a.tensor_cores, or SPECD_GPU_TC), every weight has a
 // tensor-core reader and the device has the MMAs; the choice never depends on n, so a model
 // reads a weight the same way for decode and verify. Arguments checked by linear().
 bool tc_linear(const LinearArgs& a, gpuStream_t s) {
-  if (SPECD_HIP || a.n > kMaxSmallBatch || !tc_enabled()) return false;
+  if (SPECD_HIP || a.n > kMaxSmallBatch || !dev_limits().mma) return false;
   const int64_t K = a.w[0]->n_in;
   if (K % kUnit != 0) return false;
   for (int j = 0; j < a.n_w; ++j)
     if (!tc_type(a.w[j]->type, a.tensor_cores)) return false;
   if (a.ep == Epilogue::SwiGLU && a.w[0]->type != a.w[1]->type) return false;  // one type per CTA
   TcParams p;
-  p.n_w = a.n_w;
-  p.ep = a.ep;
-  p.x = a.x;
-  p.norm_w = a.norm_w;
-  p.eps = a.eps;
-  p.y = a.y;
-  p.ldy = a.ldy;
-  p.n = a.n;
-  p.K = K;
   const int nt = a.n <= 8 ? 1 : a.n <= 16 ? 2 : a.n <= 32 ? 4 : 8;
   // 32 rows per CTA (each x fragment feeds two m-tiles) unless that leaves fewer CTAs than SMs
-  const int64_t sms = dev_limits().sms;
-  auto count = [&](int mt) {
-    if (a.ep == Epilogue::SwiGLU) return ceil_div(a.w[0]->n_out, 8 * mt);
-    int64_t c = 0;
-    for (int j = 0; j < a.n_w; ++j) c += ceil_div(a.w[j]->n_out, 16 * mt);
-    return c;
-  };
-  const int mt = count(2) >= sms ? 2 : 1;
-  int64_t ctas = 0, col = 0;
-  for (int j = 0; j < a.n_w; ++j) {
-    const GpuWeight& w = *a.w[j];
-    TcWeight& m = p.w[j];
-    m.data = w.data;
-    m.stride = w.row_stride;
-    m.n_out = w.n_out;
-    m.type = w.type;
-    m.bias = a.bias[j];
-    m.col = col;
-    col += w.n_out;
-    m.cta0 = (int32_t)ctas;
-    if (a.ep != Epilogue::SwiGLU) ctas += ceil_div(w.n_out, 16 * mt);
-  }
-  if (a.ep == Epilogue::SwiGLU) ctas = count(mt);
+  const int mt = cta_count(a, 32) >= dev_limits().sms ? 2 : 1;
+  const int64_t ctas = fill_params(p, a, 16 * mt);
   SPECD_CHECK(ctas < (int64_t)1 << 31, "linear: too many output rows");
   if (mt == 2) launch_tc<2>(p, nt, (int)ctas, s);
   else launch_tc<1>(p, nt, (int)ctas, s);
