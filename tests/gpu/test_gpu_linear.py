@@ -465,3 +465,19 @@ def test_tensor_core_f16_batch_invariant(epilogue: int, rng: np.random.Generator
     for lo, hi in ((0, 64), (5, 14), (20, 37), (0, 8), (63, 64)):
         np.testing.assert_array_equal(gpu(ws, [None] * len(ws), x[lo:hi], **kw).view(np.uint32),
                                       alone[lo:hi].view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", [T.F16, T.Q4_K, T.Q6_K, T.Q8_0], ids=lambda t: t.name)
+def test_tensor_core_staged_and_streamed_x_agree(qtype: T, rng: np.random.Generator) -> None:
+    # K = 4096: up to 5 rows of x fit the CTA's shared-memory staging (converted once before
+    # the K loop), 6 or more are converted by each warp as it goes; a row gets the same bits
+    # either way. (Quantized types take the tensor cores with SPECD_GPU_TC=all, the CUDA cores
+    # otherwise: both must hold.)
+    n_in, n_out = 4096, 48
+    ws = [(qtype, random_weight(rng, qtype, n_out, n_in), n_out, n_in)]
+    x = (rng.standard_normal((12, n_in)) * 10.0 ** rng.uniform(-3, 3, (12, 1))).astype(np.float32)
+    for kw in (dict(tensor_cores=True), dict(norm_w=rng.uniform(0.5, 1.5, n_in).astype(np.float32), eps=1e-6,
+                                              tensor_cores=True)):
+        alone = rows_alone(ws, [None], x, **kw)  # staged
+        np.testing.assert_array_equal(gpu(ws, [None], x, **kw).view(np.uint32), alone.view(np.uint32))  # streamed
+        np.testing.assert_array_equal(gpu(ws, [None], x[2:6], **kw).view(np.uint32), alone[2:6].view(np.uint32))

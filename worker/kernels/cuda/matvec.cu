@@ -14,11 +14,13 @@
 // two in flight while one is read); groups never wait for each other in the K loop.
 //
 // Batch invariance: in every stage, lane l of a group owns pieces l, l+32, l+64, l+96 (8
-// weights each, quants.cuh) and accumulates them in that order into 2 partial sums (one per
-// run of 4), which the group adds as (p0 + p1) and reduces with a fixed butterfly. A row's operation sequence depends only on its weights and K (and the
-// stage size, fixed by the weight types of the call): not on n, NR, the tile, the other rows
-// or RPG. So row r of y is bit-identical whatever else is computed with it. The RMSNorm
-// factor of a row is a fixed-order reduction over the whole CTA, the same in every CTA.
+// weights each, quants.cuh; Q4_K: pieces 2m, 2m+1 of blocks l/16 and 2 + l/16, m = l % 16,
+// so that one read of a block's scales serves 16 weights) and accumulates them in that order
+// into its sum, which the group reduces with a fixed butterfly. A row's operation sequence
+// depends only on its weights and K (and the stage size, fixed by the weight types of the
+// call): not on n, NR, the tile, the other rows or RPG. So row r of y is bit-identical
+// whatever else is computed with it. The RMSNorm factor of a row is a fixed-order reduction
+// over the whole CTA (float4 steps, then block_sum), the same in every CTA.
 #include <algorithm>
 #include <cstdlib>
 #include <mutex>
@@ -162,6 +164,30 @@ __device__ __forceinline__ void piece_dot(const float (&w)[8], const float (&s)[
   }
 }
 
+// One piece (8 weights at k, runs gap apart) of each of the group's RPG rows, w and s as
+// piece_dot takes them: w <- w * nw (the fused norm weight, once per weight), then
+// acc[rr][r] += its products with each of the NR rows of x.
+template <bool kScaled, int NR, int RPG>
+__device__ __forceinline__ void piece_rows(const MvParams& p, int64_t k, int gap, float (&w)[RPG][8],
+                                           const float (&s)[RPG][2], const int32_t (&xoff)[NR],
+                                           float (&acc)[RPG][NR]) {
+  if (p.norm_w != nullptr) {
+    float nw[8];
+    load8(p.norm_w + k, gap, nw);
+#pragma unroll
+    for (int rr = 0; rr < RPG; ++rr)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) w[rr][e] *= nw[e];
+  }
+#pragma unroll
+  for (int r = 0; r < NR; ++r) {
+    float xv[8];
+    load8(p.x + xoff[r] + k, gap, xv);
+#pragma unroll
+    for (int rr = 0; rr < RPG; ++rr) piece_dot<kScaled>(w[rr], s[rr], xv, acc[rr][r]);
+  }
+}
+
 // Pieces lane, lane+32, lane+64, lane+96 (< n_pc) of one stage (K elements k0..) of the
 // group's RPG staged rows, all of type T, times NR rows of x.
 template <GgmlType T, int NR, int RPG>
@@ -170,41 +196,55 @@ __device__ __forceinline__ void stage_dot(const MvParams& p, const uint8_t* cons
   using D = Dec<T>;
   constexpr bool kScaled = D::kForm == Form::Scaled;
   constexpr int kUnroll = NR * RPG >= 4 ? 1 : 4 / (NR * RPG);  // loads of several pieces in flight
-#pragma unroll kUnroll
-  for (int i = 0; i < 1024 / 8 / kGroup; ++i) {
-    const int pi = lane + kGroup * i;
-    if (pi >= n_pc) break;
-    const int blk = pi / D::kPieces, sub = pi % D::kPieces;
-    const int64_t k = k0 + blk * D::kElems + D::pos(sub);
-    float w[RPG][8], s[RPG][2];  // Scaled: q and the run scales; else the exact weights
+  if constexpr (T == GgmlType::Q4_K) {
+    // lane -> pieces (2m, 2m + 1) of block 2i + lane / 16 (m = lane % 16): one read of the
+    // scales per 16 weights (q4k_pair), the pieces in that order
+    const int m = lane & 15;
 #pragma unroll
-    for (int rr = 0; rr < RPG; ++rr) {
-      Piece pc;
-      D::load(base[rr] + blk * D::kBytes, sub, pc);
-      if constexpr (kScaled) {
+    for (int i = 0; i < 1024 / 256 / 2; ++i) {
+      const int blk = 2 * i + (lane >> 4);
+      if (blk * D::kPieces >= n_pc) break;
+      const int64_t k = k0 + blk * D::kElems + 64 * (m >> 2) + 8 * (m & 3);
+      Q4kPair qp[RPG];
 #pragma unroll
-        for (int e = 0; e < 8; ++e) w[rr][e] = pc.q[e];
-        s[rr][0] = pc.s[0];
-        s[rr][1] = pc.s[1];
-      } else {
-        dequant<D::kForm>(pc, w[rr]);
-        s[rr][0] = s[rr][1] = 1.f;
+      for (int rr = 0; rr < RPG; ++rr) qp[rr] = q4k_pair(base[rr] + blk * D::kBytes, m);
+      constexpr int kPieceUnroll = NR * RPG >= 8 ? 1 : 2;  // (registers of the wide tiles)
+#pragma unroll kPieceUnroll
+      for (int h = 0; h < 2; ++h) {  // piece 2m, then 2m + 1
+        float w[RPG][8], s[RPG][2];
+#pragma unroll
+        for (int rr = 0; rr < RPG; ++rr) {
+          Piece pc;
+          q4k_piece(qp[rr], h, pc);
+          dequant<D::kForm>(pc, w[rr]);
+          s[rr][0] = s[rr][1] = 1.f;
+        }
+        piece_rows<false, NR, RPG>(p, k + 4 * h, D::kGap, w, s, xoff, acc);
       }
     }
-    if (p.norm_w != nullptr) {  // w <- w * nw (the norm weight, once per weight)
-      float nw[8];
-      load8(p.norm_w + k, D::kGap, nw);
+  } else {
+#pragma unroll kUnroll
+    for (int i = 0; i < 1024 / 8 / kGroup; ++i) {
+      const int pi = lane + kGroup * i;
+      if (pi >= n_pc) break;
+      const int blk = pi / D::kPieces, sub = pi % D::kPieces;
+      const int64_t k = k0 + blk * D::kElems + D::pos(sub);
+      float w[RPG][8], s[RPG][2];  // Scaled: q and the run scales; else the exact weights
 #pragma unroll
-      for (int rr = 0; rr < RPG; ++rr)
+      for (int rr = 0; rr < RPG; ++rr) {
+        Piece pc;
+        D::load(base[rr] + blk * D::kBytes, sub, pc);
+        if constexpr (kScaled) {
 #pragma unroll
-        for (int e = 0; e < 8; ++e) w[rr][e] *= nw[e];
-    }
-#pragma unroll
-    for (int r = 0; r < NR; ++r) {
-      float xv[8];
-      load8(p.x + xoff[r] + k, D::kGap, xv);
-#pragma unroll
-      for (int rr = 0; rr < RPG; ++rr) piece_dot<kScaled>(w[rr], s[rr], xv, acc[rr][r]);
+          for (int e = 0; e < 8; ++e) w[rr][e] = pc.q[e];
+          s[rr][0] = pc.s[0];
+          s[rr][1] = pc.s[1];
+        } else {
+          dequant<D::kForm>(pc, w[rr]);
+          s[rr][0] = s[rr][1] = 1.f;
+        }
+      }
+      piece_rows<kScaled, NR, RPG>(p, k, D::kGap, w, s, xoff, acc);
     }
   }
 }
@@ -289,19 +329,30 @@ __global__ void __launch_bounds__(kThreads, mv_min_blocks(NR, RPG)) matvec_kerne
   gpu_grid_wait();
   gpu_grid_launch_dependents();
 
-  // inv_r = 1/sqrt(mean(x_r^2) + eps): one fixed-order CTA reduction per row, the same in
-  // every CTA and for every n
+  // inv_r = 1/sqrt(mean(x_r^2) + eps): one fixed-order CTA reduction per row (threads over
+  // K in float4 steps, every row's loads in flight together), the same in every CTA and for
+  // every n
+  if (p.norm_w != nullptr) {
+    float ss[NR];
 #pragma unroll
-  for (int r = 0; r < NR; ++r) {
-    float v = 1.f;
-    if (p.norm_w != nullptr) {
-      const float* xr = p.x + xoff[r];
-      float ss = 0.f;
-      for (int64_t k = threadIdx.x; k < K; k += kThreads) ss = fmaf(xr[k], xr[k], ss);
-      ss = block_sum(ss, red);
-      v = rsqrtf(ss / (float)K + p.eps);
+    for (int r = 0; r < NR; ++r) ss[r] = 0.f;
+    for (int64_t k = 4 * threadIdx.x; k < K; k += 4 * kThreads) {
+#pragma unroll
+      for (int r = 0; r < NR; ++r) {
+        const float4 v = ldg4(p.x + xoff[r] + k);
+        ss[r] = fmaf(v.x, v.x, ss[r]);
+        ss[r] = fmaf(v.y, v.y, ss[r]);
+        ss[r] = fmaf(v.z, v.z, ss[r]);
+        ss[r] = fmaf(v.w, v.w, ss[r]);
+      }
     }
-    if (threadIdx.x == 0) inv[r] = v;
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {
+      const float t = block_sum(ss[r], red);
+      if (threadIdx.x == 0) inv[r] = rsqrtf(t / (float)K + p.eps);
+    }
+  } else if (threadIdx.x < NR) {
+    inv[threadIdx.x] = 1.f;
   }
 
   float acc[RPG][NR];

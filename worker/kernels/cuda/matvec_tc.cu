@@ -38,7 +38,12 @@
 // CTA: 8 warps share 16 * MT weight rows (MT m-tiles of 16; SwiGLU: 8 gate rows over the
 // same 8 up rows per m-tile) and all n <= 8 * NT rows of x, splitting K by units as above;
 // their partial sums meet in shared memory. Each CTA computes f_r for every row of x itself
-// (a warp per row, lanes over K, fixed butterfly order: the same in every CTA).
+// (a warp per row, lanes over K, fixed butterfly order: the same in every CTA). Where n rows
+// of converted x fit in 96 KiB of shared memory (one decode row up to K ~ 23k), the CTA
+// converts them once before the K loop (x_frag, 128 bytes per row and unit) and the warps
+// read their B fragments from there; otherwise each warp converts its units' x as it goes.
+// Same arithmetic either way (rounded operations only), so the choice changes no bit: the
+// H200 gave +3-15 % on one decode step from it (2026-11-30).
 #include <cstdlib>
 #include <mutex>
 #include <string>
@@ -63,7 +68,22 @@ constexpr int kWarps = kThreads / kGroup;
 constexpr int kUnit = 32;  // K elements per unit
 
 using TcWeight = LinWeight;  // cta0: first blockIdx.x of the weight
-using TcParams = LinParams;
+
+struct TcParams : LinParams {
+  // 1: each CTA converts x once into shared memory (the MMA's hi/lo fragments and, for Q4_K,
+  // the unit sums) before the K loop; 0: every warp converts the x of its units as it goes.
+  // Same arithmetic either way (x_frag), so the choice never changes a result.
+  int32_t xstage = 0;
+};
+
+// Shared-memory staging of x (xstage): per row, K/32 units of 128 bytes (lane c's 4 hi then 4
+// lo half2 at 32c), plus 16 bytes of padding so that rows of a warp's loads fall in different
+// banks; then the unit sums, one float per (row, unit).
+__host__ __device__ constexpr int64_t xstage_pitch(int64_t n_units) { return 128 * n_units + 16; }
+__host__ __device__ constexpr size_t xstage_bytes(int64_t n, int64_t n_units) {
+  return (size_t)(n * xstage_pitch(n_units) + 4 * n * n_units);
+}
+constexpr size_t kXStageMax = 96 << 10;  // largest staging buffer (2 CTAs per SM still fit)
 
 #if SPECD_MMA
 // d += A (16 x 16, rows g/g+8, slots 2c.. and 2c+8..) * B (16 x 8), fp16 in, float32 accumulate
@@ -83,7 +103,7 @@ __device__ __forceinline__ uint32_t pack_half2(__half a, __half b) {
 // v -> (hi, lo) halves of two values, packed as the MMA wants them (first value low).
 __device__ __forceinline__ void split2(float v0, float v1, uint32_t& hi, uint32_t& lo) {
   const __half h0 = __float2half_rn(v0), h1 = __float2half_rn(v1);
-  const __half l0 = __float2half_rn(v0 - __half2float(h0)), l1 = __float2half_rn(v1 - __half2float(h1));
+  const __half l0 = __float2half_rn(__fsub_rn(v0, __half2float(h0))), l1 = __float2half_rn(__fsub_rn(v1, __half2float(h1)));
   hi = pack_half2(h0, h1);
   lo = pack_half2(l0, l1);
 }
@@ -94,6 +114,47 @@ __device__ __forceinline__ float fp16_range_scale(float m) {
   if (!(m > 0.f) || e == 128) return 1.f;
   const int se = min(127, max(-126, 14 - e));
   return __uint_as_float((uint32_t)(se + 127) << 23);
+}
+
+// The lane's 8 activations of row r in unit k0 / 32 (elements k0 + xo[0] + 0..3 and k0 +
+// xo[1] + 0..3), scaled (v = (x nw) f, or x f without the norm weight), as the hi / lo fp16
+// halves of its B fragments, and their plain sum (v0 + v1 + ... + v7, in order); zeros for
+// r >= n. Rounded operations only (no contraction), so that the staged and the streaming
+// conversion give the same bits.
+__device__ __forceinline__ void x_frag(const TcParams& p, int64_t r, int64_t k0, const int (&xo)[2], float f,
+                                       const float (&nw)[8], uint32_t (&bh)[4], uint32_t (&bl)[4], float& sum) {
+  float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  if (r < p.n) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float4 a = __ldg(reinterpret_cast<const float4*>(p.x + r * p.K + k0 + xo[h]));
+      v[4 * h] = a.x; v[4 * h + 1] = a.y; v[4 * h + 2] = a.z; v[4 * h + 3] = a.w;
+    }
+    if (p.norm_w != nullptr) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) v[i] = __fmul_rn(__fmul_rn(v[i], nw[i]), f);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) v[i] = __fmul_rn(v[i], f);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) split2(v[2 * i], v[2 * i + 1], bh[i], bl[i]);
+  sum = v[0];
+#pragma unroll
+  for (int i = 1; i < 8; ++i) sum = __fadd_rn(sum, v[i]);
+}
+
+// The norm weights at the lane's 8 elements of the unit at k0 (ones without the norm).
+__device__ __forceinline__ void nw_frag(const TcParams& p, int64_t k0, const int (&xo)[2], float (&nw)[8]) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) nw[i] = 1.f;
+  if (p.norm_w == nullptr) return;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float4 a = __ldg(reinterpret_cast<const float4*>(p.norm_w + k0 + xo[h]));
+    nw[4 * h] = a.x; nw[4 * h + 1] = a.y; nw[4 * h + 2] = a.z; nw[4 * h + 3] = a.w;
+  }
 }
 
 // ---- per-type readers of one unit (32 elements of K) of one weight row, for lane c.
@@ -226,12 +287,13 @@ struct TcRow<GgmlType::Q6_K> {  // unit u: l = 0..31 of quarter u % 4 of half (u
 // The CTA's work for weights of type T (every weight of this CTA has it).
 template <GgmlType T, int MT, int NT>
 __device__ __forceinline__ void tc_body(const TcParams& p, const TcWeight& w0, int64_t o0, float* red, float* fac,
-                                        float* unscale) {
+                                        float* unscale, uint8_t* xst) {
   using R = TcRow<T>;
   const int lane = threadIdx.x % kGroup, warp = threadIdx.x / kGroup, g = lane / 4, c = lane % 4;
   const int64_t K = p.K, n = p.n;
   const bool swiglu = p.ep == Epilogue::SwiGLU;
   constexpr int kRows = 16 * MT, kCols = 8 * NT;
+  const int xo[2] = {R::x_off(c, 0), R::x_off(c, 1)};
 
   // the lane's rows g and g + 8 of each m-tile (SwiGLU: gate row, up row)
   const uint8_t* rp[MT][2];
@@ -267,12 +329,9 @@ __device__ __forceinline__ void tc_body(const TcParams& p, const TcWeight& w0, i
       ss = fmaf(v.y, v.y, ss);
       ss = fmaf(v.z, v.z, ss);
       ss = fmaf(v.w, v.w, ss);
-      if (p.norm_w != nullptr) {
-        const float4 nw = __ldg(reinterpret_cast<const float4*>(p.norm_w + k));
-        mx = fmaxf(fmaxf(mx, fabsf(v.x * nw.x)), fmaxf(fabsf(v.y * nw.y), fmaxf(fabsf(v.z * nw.z), fabsf(v.w * nw.w))));
-      } else {
-        mx = fmaxf(fmaxf(mx, fabsf(v.x)), fmaxf(fabsf(v.y), fmaxf(fabsf(v.z), fabsf(v.w))));
-      }
+      float4 nw = make_float4(1.f, 1.f, 1.f, 1.f);
+      if (p.norm_w != nullptr) nw = __ldg(reinterpret_cast<const float4*>(p.norm_w + k));
+      mx = fmaxf(fmaxf(mx, fabsf(v.x * nw.x)), fmaxf(fabsf(v.y * nw.y), fmaxf(fabsf(v.z * nw.z), fabsf(v.w * nw.w))));
     }
     ss = group_sum(ss);
     mx = group_max(mx);
@@ -284,6 +343,33 @@ __device__ __forceinline__ void tc_body(const TcParams& p, const TcWeight& w0, i
     }
   }
   __syncthreads();
+
+  // staged x: every (row, unit) converted once, 8 per warp at a time (lane g's pair, lane c's
+  // 8 elements), with the unit sums' butterfly of the streaming path below
+  const int64_t pitch = xstage_pitch(n_units);
+  const float* xsum = reinterpret_cast<const float*>(xst + n * pitch);
+  if (p.xstage) {
+    const int64_t pairs = n * n_units;
+    for (int64_t q0 = (int64_t)warp * 8; q0 < pairs; q0 += kWarps * 8) {  // warp-uniform
+      const int64_t q = q0 + g;
+      const bool ok = q < pairs;
+      const int64_t r = ok ? q / n_units : n, u = ok ? q % n_units : 0;
+      float nw[8];
+      nw_frag(p, kUnit * u, xo, nw);
+      uint32_t bh[4], bl[4];
+      float sum;
+      x_frag(p, r, kUnit * u, xo, ok ? fac[r] : 0.f, nw, bh, bl, sum);
+      sum += gpu_shfl_xor(sum, 1);
+      sum += gpu_shfl_xor(sum, 2);
+      if (ok) {
+        uint8_t* dst = xst + r * pitch + 128 * u + 32 * c;
+        *reinterpret_cast<uint4*>(dst) = make_uint4(bh[0], bh[1], bh[2], bh[3]);
+        *reinterpret_cast<uint4*>(dst + 16) = make_uint4(bl[0], bl[1], bl[2], bl[3]);
+        if (c == 0) const_cast<float*>(xsum)[r * n_units + u] = sum;
+      }
+    }
+    __syncthreads();
+  }
 
   float acc[MT][NT][4];
 #pragma unroll
@@ -306,45 +392,40 @@ __device__ __forceinline__ void tc_body(const TcParams& p, const TcWeight& w0, i
     // B fragments of every n-tile: x row 8t + g at the lane's elements of MMA 0 and 1; for
     // Q4_K also the unit's sum of the scaled x of the rows in this lane's C columns
     const int64_t k0 = kUnit * u;
-    float nw[8];
-    if (p.norm_w != nullptr) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float4 a = __ldg(reinterpret_cast<const float4*>(p.norm_w + k0 + R::x_off(c, h)));
-        nw[4 * h] = a.x; nw[4 * h + 1] = a.y; nw[4 * h + 2] = a.z; nw[4 * h + 3] = a.w;
-      }
-    }
     uint32_t bh[NT][4], bl[NT][4];
     float xs[NT][2];  // Q4_K: sum over the unit of the scaled x of rows 8t + 2c and 8t + 2c + 1
+    if (p.xstage) {
 #pragma unroll
-    for (int t = 0; t < NT; ++t) {
-      const int64_t r = 8 * t + g;
-      float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      if (r < n) {
-        const float f = fac[r];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const float4 a = __ldg(reinterpret_cast<const float4*>(p.x + r * K + k0 + R::x_off(c, h)));
-          v[4 * h] = a.x; v[4 * h + 1] = a.y; v[4 * h + 2] = a.z; v[4 * h + 3] = a.w;
+      for (int t = 0; t < NT; ++t) {
+        const int64_t r = 8 * t + g;
+        uint4 a = make_uint4(0u, 0u, 0u, 0u), b = a;
+        if (r < n) {
+          const uint8_t* src = xst + r * pitch + 128 * u + 32 * c;
+          a = *reinterpret_cast<const uint4*>(src);
+          b = *reinterpret_cast<const uint4*>(src + 16);
         }
-        if (p.norm_w != nullptr) {
-#pragma unroll
-          for (int i = 0; i < 8; ++i) v[i] = (v[i] * nw[i]) * f;
-        } else {
-#pragma unroll
-          for (int i = 0; i < 8; ++i) v[i] *= f;
+        bh[t][0] = a.x; bh[t][1] = a.y; bh[t][2] = a.z; bh[t][3] = a.w;
+        bl[t][0] = b.x; bl[t][1] = b.y; bl[t][2] = b.z; bl[t][3] = b.w;
+        if constexpr (R::kAffine) {
+          const int64_t r0 = 8 * t + 2 * c;
+          xs[t][0] = r0 < n ? xsum[r0 * n_units + u] : 0.f;
+          xs[t][1] = r0 + 1 < n ? xsum[(r0 + 1) * n_units + u] : 0.f;
         }
       }
+    } else {
+      float nw[8];
+      nw_frag(p, k0, xo, nw);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) split2(v[2 * i], v[2 * i + 1], bh[t][i], bl[t][i]);
-      if constexpr (R::kAffine) {
-        float sum = v[0];
-#pragma unroll
-        for (int i = 1; i < 8; ++i) sum += v[i];
-        sum += gpu_shfl_xor(sum, 1);  // the 4 lanes of row g: fixed butterfly
-        sum += gpu_shfl_xor(sum, 2);
-        xs[t][0] = __shfl_sync(0xffffffffu, sum, 4 * (2 * c));
-        xs[t][1] = __shfl_sync(0xffffffffu, sum, 4 * (2 * c + 1));
+      for (int t = 0; t < NT; ++t) {
+        const int64_t r = 8 * t + g;
+        float sum;
+        x_frag(p, r, k0, xo, r < n ? fac[r] : 0.f, nw, bh[t], bl[t], sum);
+        if constexpr (R::kAffine) {
+          sum += gpu_shfl_xor(sum, 1);  // the 4 lanes of row g: fixed butterfly
+          sum += gpu_shfl_xor(sum, 2);
+          xs[t][0] = __shfl_sync(0xffffffffu, sum, 4 * (2 * c));
+          xs[t][1] = __shfl_sync(0xffffffffu, sum, 4 * (2 * c + 1));
+        }
       }
     }
 #pragma unroll
@@ -407,9 +488,11 @@ __device__ __forceinline__ void tc_body(const TcParams& p, const TcWeight& w0, i
 template <int MT, int NT>
 __global__ void __launch_bounds__(kThreads, NT >= 4 ? 1 : 2) tc_kernel(const TcParams p) {
 #if SPECD_MMA
-  extern __shared__ __align__(16) float red[];  // [kWarps][16 * MT][8 * NT] partial sums
+  // [kWarps][16 * MT][8 * NT] partial sums, then (xstage) the staged x
+  extern __shared__ __align__(16) float red[];
   __shared__ float fac[kMaxSmallBatch], unscale[kMaxSmallBatch];
   constexpr int kRows = 16 * MT, kCols = 8 * NT;
+  uint8_t* xst = reinterpret_cast<uint8_t*>(red + kWarps * kRows * kCols);
   const bool swiglu = p.ep == Epilogue::SwiGLU;
 
   // this CTA's weight (one type) and first output row
@@ -423,10 +506,10 @@ __global__ void __launch_bounds__(kThreads, NT >= 4 ? 1 : 2) tc_kernel(const TcP
     o0 = (int64_t)(blockIdx.x - w0.cta0) * kRows;
   }
   switch (w0.type) {
-    case GgmlType::Q8_0: tc_body<GgmlType::Q8_0, MT, NT>(p, w0, o0, red, fac, unscale); break;
-    case GgmlType::Q4_K: tc_body<GgmlType::Q4_K, MT, NT>(p, w0, o0, red, fac, unscale); break;
-    case GgmlType::Q6_K: tc_body<GgmlType::Q6_K, MT, NT>(p, w0, o0, red, fac, unscale); break;
-    default: tc_body<GgmlType::F16, MT, NT>(p, w0, o0, red, fac, unscale); break;
+    case GgmlType::Q8_0: tc_body<GgmlType::Q8_0, MT, NT>(p, w0, o0, red, fac, unscale, xst); break;
+    case GgmlType::Q4_K: tc_body<GgmlType::Q4_K, MT, NT>(p, w0, o0, red, fac, unscale, xst); break;
+    case GgmlType::Q6_K: tc_body<GgmlType::Q6_K, MT, NT>(p, w0, o0, red, fac, unscale, xst); break;
+    default: tc_body<GgmlType::F16, MT, NT>(p, w0, o0, red, fac, unscale, xst); break;
   }
   __syncthreads();
 
@@ -472,9 +555,10 @@ void launch_tc(const TcParams& p, int ctas, gpuStream_t s) {
   static std::once_flag once;
   std::call_once(once, [] {
     SPECD_GPU_CHECK(gpuFuncSetAttribute((tc_kernel<MT, NT>), gpuFuncAttributeMaxDynamicSharedMemorySize,
-                                        (int)tc_smem(MT, NT)));
+                                        (int)(tc_smem(MT, NT) + kXStageMax)));
   });
-  gpu_launch("tc_kernel", tc_kernel<MT, NT>, dim3((unsigned)ctas), dim3(kThreads), tc_smem(MT, NT), s, p);
+  const size_t smem = tc_smem(MT, NT) + (p.xstage ? xstage_bytes(p.n, p.K / kUnit) : 0);
+  gpu_launch("tc_kernel", tc_kernel<MT, NT>, dim3((unsigned)ctas), dim3(kThreads), smem, s, p);
 }
 
 template <int MT>
@@ -489,9 +573,10 @@ void launch_tc(const TcParams& p, int nt, int ctas, gpuStream_t s) {
 
 // SPECD_GPU_TC (read once): unset: LinearArgs::tensor_cores decides, for F16; "0": never;
 // "f16": F16 always; "all": F16, Q8_0, Q4_K and Q6_K always. (Measured on an H200,
-// 2026-11-30: on tensor cores a 16-position verify costs ~1.6 decode steps instead of ~5.9,
-// but one decode step is 13-19 % slower for F16 and 26-45 % slower for Q8_0 / Q4_K_M, whose
-// scattered block reads are not staged yet: so F16 only, and only for engines that speculate.)
+// 2026-11-30, bench/results/gpu_nvidia-h200_20261130c.md: on tensor cores a 16-position verify
+// costs 1.6-1.9 decode steps instead of 4.5-4.9, but one decode step is 13-16 % slower for
+// F16 and 23-47 % slower for Q8_0 / Q4_K_M, whose block reads take many small loads; at k = 4
+// the CUDA cores still verify Q4_K_M faster. So F16 only, and only for engines that speculate.)
 enum class TcMode { Option, Off, F16, All };
 TcMode tc_mode() {
   static const TcMode m = [] {
@@ -525,6 +610,12 @@ bool tc_linear(const LinearArgs& a, gpuStream_t s) {
   // 32 rows per CTA (each x fragment feeds two m-tiles) unless that leaves fewer CTAs than SMs
   const int mt = cta_count(a, 32) >= dev_limits().sms ? 2 : 1;
   const int64_t ctas = fill_params(p, a, 16 * mt);
+  // x converted once per CTA where it fits (SPECD_GPU_TC_XSTAGE=0: never, for benchmarks)
+  static const bool xstage_on = [] {
+    const char* e = std::getenv("SPECD_GPU_TC_XSTAGE");
+    return !(e && std::string(e) == "0");
+  }();
+  p.xstage = xstage_on && xstage_bytes(a.n, K / kUnit) <= kXStageMax;
   SPECD_CHECK(ctas < (int64_t)1 << 31, "linear: too many output rows");
   if (mt == 2) launch_tc<2>(p, nt, (int)ctas, s);
   else launch_tc<1>(p, nt, (int)ctas, s);

@@ -238,6 +238,37 @@ struct Dec<GgmlType::Q4_K> {
   }
 };
 
+// Pieces 2m and 2m + 1 of a Q4_K block (m < 16: the same sub-block pair, g = m / 4, and 8
+// consecutive qs bytes) with one read of the scales: q4k_pair() reads them, q4k_piece(.., h)
+// gives what load(b, 2m + h, p) gives.
+struct Q4kPair {
+  uint32_t v[2];  // the qs words of pieces 2m, 2m + 1
+  float s[2], m[2];
+};
+__device__ __forceinline__ Q4kPair q4k_pair(const uint8_t* b, int m) {
+  const int g = m >> 2, i0 = 8 * (m & 3);
+  const uint32_t dd = ld_u32(b);
+  const float d = f16_bits(dd & 0xFFFF), dmin = f16_bits(dd >> 16);
+  uint32_t sc, mn;
+  kquant_pair(b + 4, g, sc, mn);
+  Q4kPair q;
+  q.v[0] = ld_u32(b + 16 + 32 * g + i0);
+  q.v[1] = ld_u32(b + 20 + 32 * g + i0);
+  q.s[0] = d * small_int(sc & 0xFF);
+  q.s[1] = d * small_int(sc >> 8);
+  q.m[0] = -(dmin * small_int(mn & 0xFF));
+  q.m[1] = -(dmin * small_int(mn >> 8));
+  return q;
+}
+__device__ __forceinline__ void q4k_piece(const Q4kPair& q, int h, Piece& p) {
+  bytes4(q.v[h] & 0x0F0F0F0Fu, kMagic, p.q);
+  bytes4((q.v[h] >> 4) & 0x0F0F0F0Fu, kMagic, p.q + 4);
+  p.s[0] = q.s[0];
+  p.s[1] = q.s[1];
+  p.m[0] = q.m[0];
+  p.m[1] = q.m[1];
+}
+
 // {d; dmin; scales[12]; qh[32]; qs[128]}: as Q4_K, plus bit j of qh[i] = bit 4 of element
 // 32j + i.
 template <>
