@@ -1,24 +1,42 @@
-"""One model's decode forwards under a profiler (tools/device: run on the GPU machine).
+"""Decode forwards of one model under Nsight Compute (tools/device: run on the GPU machine).
 
-    ncu --clock-control none -c 16 -s 8 --csv --metrics gpu__time_duration.sum,dram__bytes_read.sum \
-        python3 tools/device/profile_decode.py MODEL.gguf [REPS]
+    ncu --profile-from-start off --clock-control none --cache-control none -c 16 --csv \
+        --metrics gpu__time_duration.sum,dram__bytes_read.sum,smsp__issue_active.avg.pct_of_peak_sustained_active \
+        python3 tools/device/profile_decode.py MODEL.gguf [POS0] > run.csv
+    python3 tools/device/ncu_summary.py run.csv
 
-Opens MODEL on cuda:0 and runs REPS (default 3) one-position forwards after 64 positions
-(Engine.bench_forward(1, 64)), the decode step bench_gpu.py times; the environment picks the
-kernels (SPECD_GPU_TC=...). Prints the seconds of each forward (under a profiler they measure
-the profiler).
+Opens MODEL on cuda:0, runs one decode forward after POS0 (default 64) positions unprofiled
+(filling the cache, capturing the graph), then the profiled range: one more fill of POS0
+positions without logits (ncu's -s skips its kernels when asked: 1 + 6 per layer at short
+contexts) and two one-position forwards (Engine.bench_forward(1, POS0, 1): a warm-up and the
+timed one), the decode step bench_gpu.py times. The environment picks the kernels
+(SPECD_GPU_TC=...). The range is opened with cuProfilerStart, so ncu needs
+--profile-from-start off; without ncu the script just runs.
 """
+import ctypes
 import sys
 
 from worker.engine import Engine
 from worker.model_file import open_model
 
 
+def _profiler(name: str) -> None:
+    try:
+        getattr(ctypes.CDLL("libcuda.so.1"), name)()
+    except (OSError, AttributeError) as exc:  # no driver library: nothing to profile
+        print(f"{name}: {exc}", file=sys.stderr)
+
+
 def main() -> None:
     path = sys.argv[1]
-    reps = int(sys.argv[2]) if len(sys.argv) > 2 else 3
-    with Engine(open_model(path), device="cuda:0", n_ctx=256) as eng:
-        print("forward seconds:", eng.bench_forward(1, 64, reps), flush=True)
+    pos0 = int(sys.argv[2]) if len(sys.argv) > 2 else 64
+    with Engine(open_model(path), device="cuda:0", n_ctx=max(256, pos0 + 8)) as eng:
+        print("n_layers:", eng.model.config.n_layers, flush=True)
+        eng.bench_forward(1, pos0, 1)
+        _profiler("cuProfilerStart")
+        secs = eng.bench_forward(1, pos0, 1)
+        _profiler("cuProfilerStop")
+        print("forward seconds (profiled):", secs, flush=True)
 
 
 if __name__ == "__main__":

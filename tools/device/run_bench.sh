@@ -13,12 +13,17 @@
 #   3. meanwhile write the random-weight models (tools/gen_gguf.py) into /dev/shm when it has room,
 #      else /tmp: $MODELS, small first; a model that would not fit the disk or the time is skipped;
 #   4. wait for the llama.cpp build (stopped if it would leave the benchmark < 150 s);
-#   5. bench/bench_gpu.py on every model, specd then llama-bench, results in $OUT.
+#   5. bench/bench_gpu.py on every model, specd then llama-bench, results in $OUT;
+#   6. (NCU_MODELS) per-kernel time, DRAM bytes and issue-slot use of two decode layers
+#      (tools/device/profile_decode.py under ncu, tools/device/ncu_summary.py), CSVs in $OUT.
 # Environment: BUDGET_S (the whole run, default 540 s, counted from BENCH_T0: an epoch second,
 # default now; export BENCH_T0=$(date +%s) at the start of a longer command to count its earlier
 # work), MODELS, LLAMA (0: no llama.cpp), LLAMA_BENCH_BIN (a built llama-bench: no build), REPS
 # ("quick", the default, or "full": bench_gpu.py's own), BENCH_ARGS (more bench_gpu.py arguments,
-# last wins). A warm machine keeps /tmp and /dev/shm: a rerun reuses the models and the build.
+# last wins), NCU_MODELS ("shape:TYPE ...", among MODELS: phase 6 profiles two decode layers of
+# each with Nsight Compute, once per NCU_ENVS setting, default "SPECD_GPU_TC=0"; NCU_S seconds,
+# default 150, are kept for it). A warm machine keeps /tmp and /dev/shm: a rerun reuses the
+# models and the build.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$ROOT" || exit 1
@@ -120,10 +125,37 @@ fi
 phase "5. benchmark"
 QUICK=(--reps-decode 30 --reps-verify 10 --reps-prefill 3 --gen-repeats 2 --llama-reps 3)
 [[ ${REPS:-quick} == full ]] && QUICK=()
-left=$(( BUDGET_S - $(elapsed) - 10 ))
+NCU_S=${NCU_S:-150}
+[[ -n ${NCU_MODELS:-} ]] || NCU_S=0
+left=$(( BUDGET_S - NCU_S - $(elapsed) - 10 ))
 # shellcheck disable=SC2086  # BENCH_ARGS: several words on purpose
 PYTHONUNBUFFERED=1 python3 bench/bench_gpu.py "${FILES[@]}" --out "$OUT" "${LLAMA_ARGS[@]}" "${QUICK[@]}" \
   --deadline "$left" ${BENCH_ARGS:-}
 rc=$?
-phase "done (bench_gpu.py exit $rc)"
+phase "5. done (bench_gpu.py exit $rc)"
+
+if [[ -n ${NCU_MODELS:-} ]]; then
+  phase "6. Nsight Compute, two decode layers: $NCU_MODELS x ${NCU_ENVS:-SPECD_GPU_TC=0}"
+  NCU_BIN=$(command -v ncu || find /opt/nvidia /usr/local/cuda* -name ncu -type f 2>/dev/null | head -1)
+  for m in $NCU_MODELS; do
+    shape=${m%%:*}; ftype=${m#*:}
+    read -r _ path < <(python3 tools/gen_gguf.py --dry-run -o "$DIR" "$shape" "$ftype")
+    [[ -f $path ]] || { echo "ncu: $m was not written (add it to MODELS)"; continue; }
+    layers=$(python3 -c "from worker.model_file import open_model as o; print(o('$path').config.n_layers)")
+    for e in ${NCU_ENVS:-SPECD_GPU_TC=0}; do
+      t=$(( BUDGET_S - $(elapsed) ))
+      (( t > 20 )) || { echo "ncu: SKIPPED $m $e: out of time"; continue; }
+      csv="$OUT/ncu_${shape}_${ftype}_${e//[^A-Za-z0-9]/_}.csv"
+      # the profiled range: a 64-position fill (1 + 6 kernels per layer), then the decode
+      # forward's embedding; -c 12 = its first two layers
+      env "$e" timeout "$t" "$NCU_BIN" --profile-from-start off --clock-control none --cache-control none \
+        -s $(( 2 + 6 * layers )) -c 12 --csv --metrics gpu__time_duration.sum,dram__bytes_read.sum,\
+smsp__issue_active.avg.pct_of_peak_sustained_active,sm__warps_active.avg.pct_of_peak_sustained_active \
+        python3 tools/device/profile_decode.py "$path" 64 >"$csv" 2>&1
+      echo "== $m, $e"
+      python3 tools/device/ncu_summary.py "$csv" || tail -5 "$csv"
+    done
+  done
+  phase "6. done"
+fi
 exit $rc
