@@ -54,11 +54,11 @@ def n_ins(qtype: T) -> tuple[int, int]:
     return 40, 1800
 
 
-def gpu(ws, biases, x, norm_w=None, eps=0.0, epilogue=0, y=None, tensor_cores=False) -> np.ndarray:
+def gpu(ws, biases, x, norm_w=None, eps=0.0, epilogue=0, y=None, tensor_cores=False, int_dot=False) -> np.ndarray:
     """ws: [(qtype, bytes, n_out, n_in)]."""
     return G.linear(weights=[(int(t), w, n_in, n_out) for t, w, n_out, n_in in ws], biases=biases,
                     x=np.ascontiguousarray(x, dtype=np.float32), norm_w=norm_w, eps=eps, epilogue=epilogue, y=y,
-                    tensor_cores=tensor_cores)
+                    tensor_cores=tensor_cores, int_dot=int_dot)
 
 
 # ---- error bounds (all derived for float32 / fp16 rounding; the float64 reference is exact
@@ -99,6 +99,17 @@ def check(got: np.ndarray, want: np.ndarray, bound: np.ndarray, what: str) -> No
     bad = np.argwhere(err > bound)
     assert bad.size == 0, (f"{what}: {len(bad)} elements out of bound, first {bad[:3].tolist()}: "
                            f"worst err/bound {np.max(err / bound):.3g}")
+
+
+def check_store(y: np.ndarray, x: np.ndarray, ws, biases, bound_of, what: str) -> None:
+    """y = x W_j^T + b_j side by side (Store) against float64, within bound_of(x64, w64) plus
+    2 u |result| (the bias add and the final rounding)."""
+    x64, col = x.astype(np.float64), 0
+    for (t, w, m, n_in), b in zip(ws, biases):
+        wf = dequant(t, w, m, n_in)
+        want = x64 @ wf.T + (0 if b is None else b.astype(np.float64))
+        check(y[:, col:col + m], want, bound_of(x64, wf) + 2 * U * np.abs(want), what)
+        col += m
 
 
 def bound_for(n: int, ax, aw, extra: float = 0.0) -> np.ndarray:
@@ -420,36 +431,40 @@ def test_tensor_core_f16_matches_float64(n: int, rng: np.random.Generator) -> No
     mags = 10.0 ** rng.uniform(-7, 7, (n, 1))
     x = (rng.standard_normal((n, n_in)) * mags).astype(np.float32)
     y = gpu(ws, biases, x, tensor_cores=True)
-    x64, col = x.astype(np.float64), 0
-    for (t, w, m, _), b in zip(ws, biases):
-        wf = dequant(t, w, m, n_in)
-        want = x64 @ wf.T + (0 if b is None else b.astype(np.float64))
-        # the split keeps 22 bits of each scaled x: 4 more roundings per product
-        bound = small_bound(np.abs(x64), np.abs(wf), 4) + 2 * U * np.abs(want)
-        check(y[:, col:col + m], want, bound, f"tc n={n}")
-        col += m
+    # the split keeps 22 bits of each scaled x: 4 more roundings per product
+    check_store(y, x, ws, biases, lambda x64, wf: small_bound(np.abs(x64), np.abs(wf), 4), f"tc n={n}")
 
 
 @pytest.mark.parametrize("n", [1, 6, 33])
 def test_tensor_core_f16_norm_swiglu_accumulate(n: int, rng: np.random.Generator) -> None:
-    n_in, n_out, eps = 1024, 80, 1e-6
+    def small(x64: np.ndarray, wf: np.ndarray, extra: float) -> np.ndarray:
+        return small_bound(np.abs(x64), np.abs(wf), extra)
+
+    check_norm_swiglu_accumulate(rng, n, 1024, T.F16, small, 4, "tc", tensor_cores=True)
+
+
+def check_norm_swiglu_accumulate(rng, n: int, n_in: int, qtype: T, bound_of, acc_extra: float, what: str,
+                                 **path) -> None:
+    """SwiGLU with the fused RMSNorm, then Accumulate, on the small path `path` selects, against
+    float64: bound_of(x64, w64, extra roundings) (+ 2 u |result|)."""
+    n_out, eps = 80, 1e-6
     x = (rng.standard_normal((n, n_in)) * rng.uniform(0.1, 300, (n, 1))).astype(np.float32)
     norm_w = rng.uniform(-2, 2, n_in).astype(np.float32)
-    wg, wu = (random_weight(rng, T.F16, n_out, n_in) for _ in range(2))
-    ws = [(T.F16, wg, n_out, n_in), (T.F16, wu, n_out, n_in)]
+    wg, wu = (random_weight(rng, qtype, n_out, n_in) for _ in range(2))
+    ws = [(qtype, wg, n_out, n_in), (qtype, wu, n_out, n_in)]
     x64 = x.astype(np.float64)
     xn = x64 / np.sqrt((x64 * x64).mean(1, keepdims=True) + eps) * norm_w
-    y = gpu(ws, [None, None], x, norm_w=norm_w, eps=eps, epilogue=2, tensor_cores=True)
-    g64, u64 = xn @ dequant(T.F16, wg, n_out, n_in).T, xn @ dequant(T.F16, wu, n_out, n_in).T
+    y = gpu(ws, [None, None], x, norm_w=norm_w, eps=eps, epilogue=2, **path)
+    gf, uf = dequant(qtype, wg, n_out, n_in), dequant(qtype, wu, n_out, n_in)
+    g64, u64 = xn @ gf.T, xn @ uf.T
     extra = n_in / 256 + 48 + 4
-    bg = small_bound(np.abs(xn), np.abs(dequant(T.F16, wg, n_out, n_in)), extra) + 2 * U * np.abs(g64)
-    bu = small_bound(np.abs(xn), np.abs(dequant(T.F16, wu, n_out, n_in)), extra) + 2 * U * np.abs(u64)
-    check(y, swiglu64(g64, u64), swiglu_tol(g64, u64, bg, bu), f"tc swiglu n={n}")
+    bg = bound_of(xn, gf, extra) + 2 * U * np.abs(g64)
+    bu = bound_of(xn, uf, extra) + 2 * U * np.abs(u64)
+    check(y, swiglu64(g64, u64), swiglu_tol(g64, u64, bg, bu), f"{what} swiglu n={n}")
     y0 = rng.standard_normal((n, n_out), dtype=np.float32)
-    y = gpu(ws[:1], [None], x, epilogue=1, y=y0, tensor_cores=True)
-    wf = dequant(T.F16, wg, n_out, n_in)
-    want = y0 + x64 @ wf.T
-    check(y, want, small_bound(np.abs(x64), np.abs(wf), 4) + 2 * U * (np.abs(want) + np.abs(y0)), f"tc acc n={n}")
+    y = gpu(ws[:1], [None], x, epilogue=1, y=y0, **path)
+    want = y0 + x64 @ gf.T
+    check(y, want, bound_of(x64, gf, acc_extra) + 2 * U * (np.abs(want) + np.abs(y0)), f"{what} acc n={n}")
 
 
 @pytest.mark.parametrize("epilogue", [0, 2])
@@ -481,3 +496,55 @@ def test_tensor_core_staged_and_streamed_x_agree(qtype: T, rng: np.random.Genera
         alone = rows_alone(ws, [None], x, **kw)  # staged
         np.testing.assert_array_equal(gpu(ws, [None], x, **kw).view(np.uint32), alone.view(np.uint32))  # streamed
         np.testing.assert_array_equal(gpu(ws, [None], x[2:6], **kw).view(np.uint32), alone[2:6].view(np.uint32))
+
+
+# ---- integer dot products for Q4_K (int_dot=True: opt-in; NVIDIA, calls whose weights are all
+# Q4_K; elsewhere the float path answers, which passes the same checks): x keeps 30 bits per
+# element after a power-of-two scaling per row, as four 8-bit digits; dp4a sums are exact
+
+def int_bound(x64: np.ndarray, wf: np.ndarray, extra: float = 0.0) -> np.ndarray:
+    """small_bound plus the rounding of each scaled element to an integer: at most 2^-30 of the
+    row's largest |x|, times sum |w| of the output row."""
+    ax, aw = np.abs(x64), np.abs(wf)
+    return small_bound(ax, aw, extra) + 1.01 * 2.0**-30 * ax.max(1, keepdims=True) * aw.sum(1)[None, :]
+
+
+@pytest.mark.parametrize("n", [1, 3, 9, 17, 64])
+def test_int_dot_q4k_matches_float64(n: int, rng: np.random.Generator) -> None:
+    # K = 4096: one chunk of digits for tiles of up to 2 rows, four for tiles of 8 and 16
+    n_in = 4096
+    ws = [(T.Q4_K, random_weight(rng, T.Q4_K, m, n_in), m, n_in) for m in (96, 40)]
+    biases = [rng.standard_normal(96, dtype=np.float32), None]
+    x = (rng.standard_normal((n, n_in)) * 10.0 ** rng.uniform(-5, 5, (n, 1))).astype(np.float32)
+    check_store(gpu(ws, biases, x, int_dot=True), x, ws, biases, int_bound, f"int n={n}")
+
+
+@pytest.mark.parametrize("n", [1, 6, 33])
+def test_int_dot_q4k_norm_swiglu_accumulate(n: int, rng: np.random.Generator) -> None:
+    check_norm_swiglu_accumulate(rng, n, 2048, T.Q4_K, int_bound, 0, "int", int_dot=True)
+
+
+@pytest.mark.parametrize("n_in", [256, 4096, 12288])
+def test_int_dot_q4k_batch_invariant(n_in: int, rng: np.random.Generator) -> None:
+    # Row r is bit-identical alone or in any batch: the chunking of the digits (all of K for one
+    # row up to 8192, 1024 for 16) and the tile do not enter a row's arithmetic.
+    n_out = 133
+    ws = [(T.Q4_K, random_weight(rng, T.Q4_K, n_out, n_in), n_out, n_in)]
+    b = [rng.standard_normal(n_out, dtype=np.float32)]
+    x = (rng.standard_normal((MAX_SMALL, n_in)) * 10.0 ** rng.uniform(-3, 3, (MAX_SMALL, 1))).astype(np.float32)
+    for kw in (dict(int_dot=True), dict(norm_w=rng.uniform(0.5, 1.5, n_in).astype(np.float32), eps=1e-6,
+                                         int_dot=True)):
+        alone = rows_alone(ws, b, x, **kw)
+        for lo, hi in ((0, 64), (3, 20), (30, 63), (11, 44), (7, 9)):
+            np.testing.assert_array_equal(gpu(ws, b, x[lo:hi], **kw).view(np.uint32), alone[lo:hi].view(np.uint32))
+
+
+def test_int_dot_mixed_types_take_the_float_path(rng: np.random.Generator) -> None:
+    # A call with a Q6_K weight beside Q4_K (a Q4_K_M model's q, k, v) is read in float:
+    # the same bits as without int_dot.
+    n_in = 1024
+    ws = [(T.Q4_K, random_weight(rng, T.Q4_K, 64, n_in), 64, n_in),
+          (T.Q6_K, random_weight(rng, T.Q6_K, 32, n_in), 32, n_in)]
+    x = rng.standard_normal((5, n_in), dtype=np.float32)
+    np.testing.assert_array_equal(gpu(ws, [None, None], x, int_dot=True).view(np.uint32),
+                                  gpu(ws, [None, None], x).view(np.uint32))

@@ -70,6 +70,25 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   return group_sum(v);
 }
 
+// ss + v.x^2 + v.y^2 + v.z^2 + v.w^2, as fmas in that order
+__device__ __forceinline__ float add_squares(const float4& v, float ss) {
+  ss = fmaf(v.x, v.x, ss);
+  ss = fmaf(v.y, v.y, ss);
+  ss = fmaf(v.z, v.z, ss);
+  return fmaf(v.w, v.w, ss);
+}
+
+// Largest value over the whole block (same contract as block_sum).
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+  const int lane = threadIdx.x % kGroup, g = threadIdx.x / kGroup, ng = blockDim.x / kGroup;
+  v = group_max(v);
+  __syncthreads();
+  if (lane == 0) scratch[g] = v;
+  __syncthreads();
+  v = lane < ng ? scratch[lane] : __int_as_float((int)0xff800000u);  // -inf
+  return group_max(v);
+}
+
 __device__ __forceinline__ float load_f16(const uint16_t* p) {
   return __half2float(*reinterpret_cast<const __half*>(p));
 }
