@@ -108,7 +108,7 @@ def check_store(y: np.ndarray, x: np.ndarray, ws, biases, bound_of, what: str) -
     for (t, w, m, n_in), b in zip(ws, biases):
         wf = dequant(t, w, m, n_in)
         want = x64 @ wf.T + (0 if b is None else b.astype(np.float64))
-        check(y[:, col:col + m], want, bound_of(x64, wf) + 2 * U * np.abs(want), what)
+        check(y[:, col:col + m], want, bound_of(x64, wf) + 2 * U * np.abs(want), f"{t.name} {what}")
         col += m
 
 
@@ -271,13 +271,7 @@ def test_store_three_mixed_weights_with_biases(n: int, rng: np.random.Generator)
     x = rng.standard_normal((n, n_in), dtype=np.float32)
     y = gpu(ws, biases, x)
     assert y.shape == (n, 96 + 33 + 65)
-    x64, col = x.astype(np.float64), 0
-    for (t, w, m, _), b in zip(ws, biases):
-        wf = dequant(t, w, m, n_in)
-        want = x64 @ wf.T + (0 if b is None else b.astype(np.float64))
-        bound = bound_for(n, np.abs(x64), np.abs(wf)) + 2 * U * np.abs(want)
-        check(y[:, col:col + m], want, bound, f"{t.name} n={n}")
-        col += m
+    check_store(y, x, ws, biases, lambda x64, wf: bound_for(n, np.abs(x64), np.abs(wf)), f"n={n}")
 
 
 @pytest.mark.parametrize("n", [1, 3, 64, 65, 130])

@@ -4,6 +4,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <utility>
 
@@ -23,6 +24,12 @@ inline void check(gpuError_t e, const char* what) {
 #define SPECD_GPU_LAUNCHED(name) ::specd::gpu::check(gpuGetLastError(), name)
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// The environment variable `name`, or "" when unset (the SPECD_GPU_* benchmark switches).
+inline std::string env_value(const char* name) {
+  const char* e = std::getenv(name);
+  return e ? e : "";
+}
 
 // What the launchers need of the current device, read once per device (device.cu).
 struct DevLimits {
@@ -76,6 +83,21 @@ __device__ __forceinline__ float add_squares(const float4& v, float ss) {
   ss = fmaf(v.y, v.y, ss);
   ss = fmaf(v.z, v.z, ss);
   return fmaf(v.w, v.w, ss);
+}
+
+// max(mx, |v.x w.x|, .., |v.w w.w|): the largest scaled activation (w: norm weights or ones)
+__device__ __forceinline__ float max_abs_prod(const float4& v, const float4& w, float mx) {
+  return fmaxf(fmaxf(mx, fabsf(__fmul_rn(v.x, w.x))),
+               fmaxf(fabsf(__fmul_rn(v.y, w.y)), fmaxf(fabsf(__fmul_rn(v.z, w.z)), fabsf(__fmul_rn(v.w, w.w)))));
+}
+
+// 2^(top - floor(log2 m)) for finite m > 0, clamped to float's normal range (puts m in
+// [2^top, 2^(top+1))); 1 for m = 0 or a non-finite m.
+__device__ __forceinline__ float pow2_range_scale(float m, int top) {
+  const int e = (int)((__float_as_uint(m) >> 23) & 0xFF) - 127;
+  if (!(m > 0.f) || e == 128) return 1.f;
+  const int se = min(127, max(-126, top - e));
+  return __uint_as_float((uint32_t)(se + 127) << 23);
 }
 
 // Largest value over the whole block (same contract as block_sum).

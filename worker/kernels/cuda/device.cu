@@ -49,8 +49,7 @@ const DevLimits& dev_limits() {
     L.pdl = false;
 #else
     L.smem_per_block = std::max<size_t>(p.sharedMemPerBlockOptin, p.sharedMemPerBlock);
-    const char* env = std::getenv("SPECD_GPU_PDL");
-    L.pdl = p.major >= 9 && !(env && std::string(env) == "0");
+    L.pdl = p.major >= 9 && env_value("SPECD_GPU_PDL") != "0";
     L.mma = p.major >= 8;
 #endif
     L.sms = std::max(1, p.multiProcessorCount);

@@ -396,21 +396,16 @@ __device__ __forceinline__ void stage_dot_int(const uint8_t* const (&base)[RPG],
     float s0[RPG], s1[RPG], m0[RPG], m1[RPG];
 #pragma unroll
     for (int rr = 0; rr < RPG; ++rr) {
-      const uint8_t* b = base[rr] + blk * D::kBytes;
-      const uint32_t dd = ld_u32(b);
-      const float d = f16_bits(dd & 0xFFFF), dmin = f16_bits(dd >> 16);
-      uint32_t sc, mn;
-      kquant_pair(b + 4, g, sc, mn);
-      const uint32_t v0 = ld_u32(b + 16 + 32 * g + 8 * c), v1 = ld_u32(b + 20 + 32 * g + 8 * c);
-      a0[rr] = v0 & 0x0F0F0F0Fu;
-      a1[rr] = v1 & 0x0F0F0F0Fu;
-      b0[rr] = (v0 >> 4) & 0x0F0F0F0Fu;
-      b1[rr] = (v1 >> 4) & 0x0F0F0F0Fu;
-      s0[rr] = d * small_int(sc & 0xFF);
-      s1[rr] = d * small_int(sc >> 8);
+      const Q4kPair q = q4k_pair(base[rr] + blk * D::kBytes, m);
+      a0[rr] = q.v[0] & 0x0F0F0F0Fu;  // sub-block 2g: low nibbles
+      a1[rr] = q.v[1] & 0x0F0F0F0Fu;
+      b0[rr] = (q.v[0] >> 4) & 0x0F0F0F0Fu;  // sub-block 2g + 1: high nibbles
+      b1[rr] = (q.v[1] >> 4) & 0x0F0F0F0Fu;
+      s0[rr] = q.s[0];
+      s1[rr] = q.s[1];
       const float lead = c == 0 ? 1.f : 0.f;  // the sub-blocks' first lane adds their min terms
-      m0[rr] = -(dmin * small_int(mn & 0xFF)) * lead;
-      m1[rr] = -(dmin * small_int(mn >> 8)) * lead;
+      m0[rr] = q.m[0] * lead;
+      m1[rr] = q.m[1] * lead;
     }
 #pragma unroll
     for (int r = 0; r < NR; ++r) {
@@ -430,16 +425,6 @@ __device__ __forceinline__ void stage_dot_int(const uint8_t* const (&base)[RPG],
       }
     }
   }
-}
-
-// 2^(29 - floor(log2 m)) for finite m > 0 (clamped to float's normal range), 1 for m = 0,
-// 0 (with a NaN result downstream) for a non-finite m.
-[[maybe_unused]] __device__ __forceinline__ float digit_scale(float m) {
-  const int e = (int)((__float_as_uint(m) >> 23) & 0xFF) - 127;
-  if (e == 128) return 0.f;
-  if (!(m > 0.f)) return 1.f;
-  const int se = min(127, max(-126, 29 - e));
-  return __uint_as_float((uint32_t)(se + 127) << 23);
 }
 
 // Blocks per multiprocessor the kernel is compiled for (registers per thread follow).
@@ -519,18 +504,18 @@ __global__ void __launch_bounds__(kThreads, mv_min_blocks(NR, RPG)) matvec_kerne
       for (int r = 0; r < NR; ++r) {
         const float4 v = ldg4(p.x + xoff[r] + k);
         ss[r] = add_squares(v, ss[r]);
-        mx[r] = fmaxf(fmaxf(mx[r], fabsf(__fmul_rn(v.x, w.x))), fmaxf(fabsf(__fmul_rn(v.y, w.y)),
-                      fmaxf(fabsf(__fmul_rn(v.z, w.z)), fabsf(__fmul_rn(v.w, w.w)))));
+        mx[r] = max_abs_prod(v, w, mx[r]);
       }
     }
 #pragma unroll
     for (int r = 0; r < NR; ++r) {
       const float t = block_sum(ss[r], red), m = block_max(mx[r], red);
       if (threadIdx.x == 0) {
-        const float sc = digit_scale(m);
+        const bool finite = isfinite(m) && isfinite(t);  // NaN / inf in x: a NaN row (digits of 0)
+        const float sc = finite ? pow2_range_scale(m, 29) : 0.f;  // the largest |x nw| in [2^29, 2^30)
         xscale[r] = sc;
         const float f = p.norm_w != nullptr ? rsqrtf(t / (float)K + p.eps) : 1.f;
-        inv[r] = sc > 0.f && isfinite(t) ? f / sc : __int_as_float(0x7fc00000);  // NaN / inf in x: NaN
+        inv[r] = finite ? f / sc : __int_as_float(0x7fc00000);
       }
     }
   } else if (p.norm_w != nullptr) {
@@ -763,10 +748,7 @@ void launch_matvec(const MvParams& p, bool int_dot, int rpg, int ctas, size_t sm
 // The integer path (SPECD_GPU_INT=1 for every call, else LinearArgs::int_dot): NVIDIA, every
 // weight Q4_K.
 bool int_dot_on(const LinearArgs& a) {
-  static const bool env = [] {
-    const char* e = std::getenv("SPECD_GPU_INT");
-    return e && std::string(e) == "1";
-  }();
+  static const bool env = env_value("SPECD_GPU_INT") == "1";
   if (SPECD_HIP || !(a.int_dot || env)) return false;
   for (int j = 0; j < a.n_w; ++j)
     if (a.w[j]->type != GgmlType::Q4_K) return false;
@@ -776,8 +758,8 @@ bool int_dot_on(const LinearArgs& a) {
 // Largest tile of x rows (1, 2, 4, 8 or 16; SPECD_GPU_MAX_TILE lowers it, for benchmarks).
 int max_tile() {
   static const int v = [] {
-    const char* e = std::getenv("SPECD_GPU_MAX_TILE");
-    const int t = e ? std::atoi(e) : 16;
+    const std::string e = env_value("SPECD_GPU_MAX_TILE");
+    const int t = e.empty() ? 16 : std::atoi(e.c_str());
     return t >= 16 ? 16 : t >= 8 ? 8 : t >= 4 ? 4 : t >= 2 ? 2 : 1;
   }();
   return v;

@@ -108,14 +108,6 @@ __device__ __forceinline__ void split2(float v0, float v1, uint32_t& hi, uint32_
   lo = pack_half2(l0, l1);
 }
 
-// 2^(14 - floor(log2 m)) for finite m > 0 (clamped to float's normal range), else 1.
-__device__ __forceinline__ float fp16_range_scale(float m) {
-  const int e = (int)((__float_as_uint(m) >> 23) & 0xFF) - 127;
-  if (!(m > 0.f) || e == 128) return 1.f;
-  const int se = min(127, max(-126, 14 - e));
-  return __uint_as_float((uint32_t)(se + 127) << 23);
-}
-
 // The lane's 8 activations of row r in unit k0 / 32 (elements k0 + xo[0] + 0..3 and k0 +
 // xo[1] + 0..3), scaled (v = (x nw) f, or x f without the norm weight), as the hi / lo fp16
 // halves of its B fragments, and their plain sum (v0 + v1 + ... + v7, in order); zeros for
@@ -325,18 +317,15 @@ __device__ __forceinline__ void tc_body(const TcParams& p, const TcWeight& w0, i
     float ss = 0.f, mx = 0.f;
     for (int64_t k = 4 * lane; k < K; k += 4 * kGroup) {
       const float4 v = __ldg(reinterpret_cast<const float4*>(xr + k));
-      ss = fmaf(v.x, v.x, ss);
-      ss = fmaf(v.y, v.y, ss);
-      ss = fmaf(v.z, v.z, ss);
-      ss = fmaf(v.w, v.w, ss);
       float4 nw = make_float4(1.f, 1.f, 1.f, 1.f);
       if (p.norm_w != nullptr) nw = __ldg(reinterpret_cast<const float4*>(p.norm_w + k));
-      mx = fmaxf(fmaxf(mx, fabsf(v.x * nw.x)), fmaxf(fabsf(v.y * nw.y), fmaxf(fabsf(v.z * nw.z), fabsf(v.w * nw.w))));
+      ss = add_squares(v, ss);
+      mx = max_abs_prod(v, nw, mx);
     }
     ss = group_sum(ss);
     mx = group_max(mx);
     const float inv = p.norm_w != nullptr ? rsqrtf(ss / (float)K + p.eps) : 1.f;
-    const float sc = fp16_range_scale(mx * inv);
+    const float sc = pow2_range_scale(mx * inv, 14);  // the largest |v| in [2^14, 2^15): fp16's range
     if (lane == 0) {
       fac[r] = inv * sc;
       unscale[r] = 1.f / sc;
@@ -347,7 +336,7 @@ __device__ __forceinline__ void tc_body(const TcParams& p, const TcWeight& w0, i
   // staged x: every (row, unit) converted once, 8 per warp at a time (lane g's pair, lane c's
   // 8 elements), with the unit sums' butterfly of the streaming path below
   const int64_t pitch = xstage_pitch(n_units);
-  const float* xsum = reinterpret_cast<const float*>(xst + n * pitch);
+  float* xsum = reinterpret_cast<float*>(xst + n * pitch);
   if (p.xstage) {
     const int64_t pairs = n * n_units;
     for (int64_t q0 = (int64_t)warp * 8; q0 < pairs; q0 += kWarps * 8) {  // warp-uniform
@@ -365,7 +354,7 @@ __device__ __forceinline__ void tc_body(const TcParams& p, const TcWeight& w0, i
         uint8_t* dst = xst + r * pitch + 128 * u + 32 * c;
         *reinterpret_cast<uint4*>(dst) = make_uint4(bh[0], bh[1], bh[2], bh[3]);
         *reinterpret_cast<uint4*>(dst + 16) = make_uint4(bl[0], bl[1], bl[2], bl[3]);
-        if (c == 0) const_cast<float*>(xsum)[r * n_units + u] = sum;
+        if (c == 0) xsum[r * n_units + u] = sum;
       }
     }
     __syncthreads();
@@ -580,8 +569,7 @@ void launch_tc(const TcParams& p, int nt, int ctas, gpuStream_t s) {
 enum class TcMode { Option, Off, F16, All };
 TcMode tc_mode() {
   static const TcMode m = [] {
-    const char* e = std::getenv("SPECD_GPU_TC");
-    const std::string v = e ? e : "";
+    const std::string v = env_value("SPECD_GPU_TC");
     return v == "0" ? TcMode::Off : v == "f16" ? TcMode::F16 : v == "all" ? TcMode::All : TcMode::Option;
   }();
   return m;
@@ -611,10 +599,7 @@ bool tc_linear(const LinearArgs& a, gpuStream_t s) {
   const int mt = cta_count(a, 32) >= dev_limits().sms ? 2 : 1;
   const int64_t ctas = fill_params(p, a, 16 * mt);
   // x converted once per CTA where it fits (SPECD_GPU_TC_XSTAGE=0: never, for benchmarks)
-  static const bool xstage_on = [] {
-    const char* e = std::getenv("SPECD_GPU_TC_XSTAGE");
-    return !(e && std::string(e) == "0");
-  }();
+  static const bool xstage_on = env_value("SPECD_GPU_TC_XSTAGE") != "0";
   p.xstage = xstage_on && xstage_bytes(a.n, K / kUnit) <= kXStageMax;
   SPECD_CHECK(ctas < (int64_t)1 << 31, "linear: too many output rows");
   if (mt == 2) launch_tc<2>(p, nt, (int)ctas, s);
