@@ -20,8 +20,9 @@ the output head is read once either way). Ratios are specd / llama.cpp (> 1: spe
 for verify cost < 1 is better).
 
 With --variant NAME:VAR=VALUE[,VAR=VALUE] (repeatable), specd runs once more per model with
-those environment settings, forwards and verify widths only (e.g. nopdl:SPECD_GPU_PDL=0,
-tc:SPECD_GPU_TC=f16, notc:SPECD_GPU_TC=0), and a second table compares them to the default run.
+those environment settings, forwards and verify widths only (with --variant-prefill also the
+prefill lengths; e.g. nopdl:SPECD_GPU_PDL=0, tc:SPECD_GPU_TC=f16, notc:SPECD_GPU_TC=0), and a
+second table compares them to the default run.
 
 Writes OUT/gpu_<machine>_<date>.json (machine, command, every sample) and a PNG.
 
@@ -266,12 +267,13 @@ def measure_specd(path: Path, args: argparse.Namespace, res: dict) -> None:
     if hasattr(eng, "memory"):
         phase("memory", memory)
     phase("forward", forward)
-    if args.forward_only:
+    if args.forward_only and not args.variant_prefill:
         eng.close()
         return
     for n in args.prefill:
         phase(f"prefill_{n}", lambda n=n: prefill(n))
-    phase("generate", generate)
+    if not args.forward_only:
+        phase("generate", generate)
     eng.close()
 
 
@@ -435,8 +437,9 @@ def print_table(rows: list[dict], prefill: list[int]) -> None:
             for name, v in [("(default)", r.get("specd", {})), *r.get("variants", {}).items()]:
                 tok = v.get("decode_forward", {}).get("tok_s")
                 costs = " ".join(f"{c:5.2f}" for _, c in sorted((int(k), c) for k, c in v.get("verify_cost", {}).items()))
+                pp = "".join(f" | pp{k} {f(p.get('tok_s'), '7.0f')}" for k, p in v.get("prefill", {}).items())
                 print(f"{r['label'][:24]:24} {name[:12]:12} | {f(tok, '7.1f')} {f(ratio(tok, base), '6.2f')} | "
-                      + (costs if v.get("ok", True) else "failed: " + str(v.get("error"))[:80]))
+                      + (costs + pp if v.get("ok", True) else "failed: " + str(v.get("error"))[:80]))
     print("decode: greedy steps (tok/s, % of the bandwidth floor); fwd1: bench_forward(1, 64); ratio: specd / "
           "llama.cpp; ppN: prefill tok/s; ver16: cost of a 16-position forward in decode steps")
 
@@ -515,6 +518,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:VAR=VALUE[,VAR=VALUE]",
                     help="an extra specd run per model with these environment settings (forward and verify "
                          "only), e.g. nopdl:SPECD_GPU_PDL=0")
+    ap.add_argument("--variant-prefill", action="store_true", help="variants also measure the prefill lengths")
     ap.add_argument("--forward-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)

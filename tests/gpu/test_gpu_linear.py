@@ -167,7 +167,7 @@ def test_large_path_big_shape_relative_error(rng: np.random.Generator) -> None:
     # A model-sized prefill GEMM (K = 4096, several tiles in both directions): relative
     # Frobenius error of the fp16 path < 2e-3 (fp16 inputs: ~2^-11 per factor, ~5e-4 typical).
     n, n_in, n_out = 320, 4096, 1000
-    for qtype in (T.Q4_K, T.Q6_K, T.Q8_0):
+    for qtype in (T.Q4_K, T.Q6_K, T.Q8_0, T.F16, T.BF16):
         w = random_weight(rng, qtype, n_out, n_in)
         wf = dequant(qtype, w, n_out, n_in)
         x = rng.standard_normal((n, n_in), dtype=np.float32)
@@ -274,6 +274,20 @@ def test_store_three_mixed_weights_with_biases(n: int, rng: np.random.Generator)
     check_store(y, x, ws, biases, lambda x64, wf: bound_for(n, np.abs(x64), np.abs(wf)), f"n={n}")
 
 
+@pytest.mark.parametrize("n", [65, 300])
+def test_large_path_three_f16_weights(n: int, rng: np.random.Generator) -> None:
+    # All weights F16: the large path copies them as stored (no decode). Output rows across
+    # tile edges (128, 70, 200), K = 1000 (a partial last 64-wide step), two biases.
+    n_in = 1000
+    specs = [(T.F16, 128), (T.F16, 70), (T.F16, 200)]
+    ws = [(t, random_weight(rng, t, m, n_in), m, n_in) for t, m in specs]
+    biases = [rng.standard_normal(128, dtype=np.float32), None, rng.standard_normal(200, dtype=np.float32)]
+    x = rng.standard_normal((n, n_in), dtype=np.float32)
+    y = gpu(ws, biases, x)
+    assert y.shape == (n, 128 + 70 + 200)
+    check_store(y, x, ws, biases, lambda x64, wf: fp16_bound(np.abs(x64), np.abs(wf)), f"n={n}")
+
+
 @pytest.mark.parametrize("n", [1, 3, 64, 65, 130])
 def test_accumulate_adds_into_y(n: int, rng: np.random.Generator) -> None:
     n_in, n_out = 544, 75
@@ -288,7 +302,7 @@ def test_accumulate_adds_into_y(n: int, rng: np.random.Generator) -> None:
     check(y, want, bound, f"accumulate n={n}")
 
 
-@pytest.mark.parametrize("types", [(T.Q4_K, T.Q4_K), (T.Q4_0, T.Q8_0), (T.F16, T.BF16)],
+@pytest.mark.parametrize("types", [(T.Q4_K, T.Q4_K), (T.Q4_0, T.Q8_0), (T.F16, T.BF16), (T.F16, T.F16)],
                          ids=lambda ts: "-".join(t.name for t in ts))
 @pytest.mark.parametrize("n", [1, 5, 64, 70, 129])
 def test_swiglu(types: tuple[T, T], n: int, rng: np.random.Generator) -> None:

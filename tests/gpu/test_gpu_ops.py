@@ -318,6 +318,49 @@ def test_attention_long_decode_matches_prefill(rng):
     assert np.abs(full[:2].reshape(2, nh, hd) - ref).max() <= attention_tolerance(q3, k3, v3, pos0, 0.09)
 
 
+PREFILL_CASES = [
+    # n (> 64: the prefill path), pos0, n_heads, n_kv_heads, head_dim
+    (65, 0, 8, 2, 128),  # one row past the small path, from scratch
+    (200, 37, 14, 2, 64),  # GQA 7, head_dim 64, partial last query tile
+    (300, 700, 4, 4, 128),  # a later prefill chunk (MHA)
+    (130, 3000, 32, 8, 128),  # qwen3-8B heads at a long context
+    (100, 20, 3, 1, 80),  # head_dim 80: not a tensor-core shape, the flash-decoding kernels
+]
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("n,pos0,nh,nkv,hd", PREFILL_CASES)
+def test_attention_prefill(rng, dtype, n, pos0, nh, nkv, hd):
+    # n > 64 with an fp16 cache and head_dim 64 / 128 runs on tensor cores (attention_tc.cu):
+    # q and the weights p_j are rounded to fp16 (relative 2^-11 each). A score moves by at most
+    # 2^-11 scale sum_d |q_d k_jd|, every weight p_j / l by about twice that plus 2^-10 (its own
+    # rounding and the sum's), so |out - exact| <= max|V| (2^-10 scale max dots + 2^-8), on top
+    # of the float32 bound of the other kernels (float caches and other head sizes take those).
+    scale = 1.0 / np.sqrt(hd)
+    q, k, v = attention_inputs(rng, n, pos0, nh, nkv, hd, dtype, extra=70)
+    out = gpu().attention(q, k, v, pos0, nh, nkv, hd, scale)
+    assert out.shape == (n, nh * hd) and np.isfinite(out).all()
+    q3, k3, v3 = q.reshape(n, nh, hd), k.reshape(-1, nkv, hd), v.reshape(-1, nkv, hd)
+    ref = attention_twin(q3, k3, v3, pos0, scale)
+    tol = attention_tolerance(q3, k3, v3, pos0, scale)
+    if dtype == np.float16:
+        group, n_ctx = nh // nkv, pos0 + n
+        kk = np.repeat(np.abs(k3[:n_ctx].astype(np.float64)), group, axis=1)
+        dots = np.einsum("thd,jhd->thj", np.abs(q3.astype(np.float64)), kk).max()
+        tol += np.abs(v3[:n_ctx].astype(np.float64)).max() * (2.0**-10 * scale * dots + 2.0**-8)
+    err = np.abs(out.reshape(n, nh, hd) - ref).max()
+    print(f"prefill attention {dtype.__name__} {n=} {pos0=} {nh}/{nkv} {hd=}: max err {err:.3g} (tol {tol:.3g})")
+    assert err <= tol
+    # causal: keys and values after query i's position change no bit of rows <= i
+    i = n // 2
+    k2, v2 = k.copy(), v.copy()
+    k2[pos0 + i + 1 : pos0 + n] += 3.0
+    v2[pos0 + i + 1 : pos0 + n] -= 3.0
+    moved = gpu().attention(q, k2, v2, pos0, nh, nkv, hd, scale)
+    assert np.array_equal(moved[: i + 1], out[: i + 1])
+    assert not np.allclose(moved[i + 1 :], out[i + 1 :])
+
+
 def test_attention_is_causal(rng):
     # Changing keys/values after a query's position must not change that query's output (bit
     # for bit); changing an earlier one must.

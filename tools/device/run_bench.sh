@@ -22,7 +22,9 @@
 # ("quick", the default, or "full": bench_gpu.py's own), BENCH_ARGS (more bench_gpu.py arguments,
 # last wins), NCU_MODELS ("shape:TYPE ...", among MODELS: phase 6 profiles two decode layers of
 # each with Nsight Compute, once per NCU_ENVS setting, default "SPECD_GPU_TC=0"; NCU_S seconds,
-# default 150, are kept for it). A warm machine keeps /tmp and /dev/shm: a rerun reuses the
+# default 150, are kept for it; NCU_ARGS, default "64", are profile_decode.py's POS0 [N], and
+# NCU_SKIP / NCU_COUNT the kernels ncu skips / profiles, default those of two decode layers:
+# e.g. NCU_ARGS="0 512" NCU_SKIP=0 NCU_COUNT=40 for the first layers of a 512-token prefill). A warm machine keeps /tmp and /dev/shm: a rerun reuses the
 # models and the build.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -146,12 +148,13 @@ if [[ -n ${NCU_MODELS:-} ]]; then
       t=$(( BUDGET_S - $(elapsed) ))
       (( t > 20 )) || { echo "ncu: SKIPPED $m $e: out of time"; continue; }
       csv="$OUT/ncu_${shape}_${ftype}_${e//[^A-Za-z0-9]/_}.csv"
-      # the profiled range: a 64-position fill (1 + 6 kernels per layer), then the decode
-      # forward's embedding; -c 12 = its first two layers
+      # the default profiled range: a 64-position fill (1 + 6 kernels per layer), then the
+      # decode forward's embedding; -c 12 = its first two layers
+      # shellcheck disable=SC2086  # NCU_ARGS: several words on purpose
       env "$e" timeout "$t" "$NCU_BIN" --profile-from-start off --clock-control none --cache-control none \
-        -s $(( 2 + 6 * layers )) -c 12 --csv --metrics gpu__time_duration.sum,dram__bytes_read.sum,\
+        -s "${NCU_SKIP:-$(( 2 + 6 * layers ))}" -c "${NCU_COUNT:-12}" --csv --metrics gpu__time_duration.sum,dram__bytes_read.sum,\
 smsp__issue_active.avg.pct_of_peak_sustained_active,sm__warps_active.avg.pct_of_peak_sustained_active \
-        python3 tools/device/profile_decode.py "$path" 64 >"$csv" 2>&1
+        python3 tools/device/profile_decode.py "$path" ${NCU_ARGS:-64} >"$csv" 2>&1
       echo "== $m, $e"
       python3 tools/device/ncu_summary.py "$csv" || tail -5 "$csv"
     done

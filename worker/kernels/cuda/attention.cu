@@ -45,6 +45,11 @@
 namespace specd {
 namespace gpu {
 
+// attention_tc.cu: a prefill (n > kMaxSmallBatch) with an fp16 cache and head_dim 64 or 128
+// on NVIDIA sm_80+ (SPECD_GPU_FLASH=0: never), FlashAttention-2 on tensor cores; false when
+// it does not apply (then the kernels below run).
+bool attention_prefill_tc(const AttnArgs& a, gpuStream_t s);
+
 namespace {
 
 constexpr int kAttnThreads = 256;
@@ -531,6 +536,7 @@ void attention(const AttnArgs& a, gpuStream_t s) {
   if (a.n == 0) return;
   if (!a.q || !a.k_cache || !a.v_cache || !a.out || !a.d_pos0)
     throw Error(at + "q, k_cache, v_cache, out and d_pos0 must be device pointers, got a null one");
+  if (attention_prefill_tc(a, s)) return;  // prefills on tensor cores where they can
   const int64_t nc = n_chunks_of(a.n_ctx);
   if (nc > 1 && !a.work)
     throw Error(at + "a workspace of attention_workspace_bytes(...) = " +

@@ -262,8 +262,32 @@ class GpuModel final : public ForwardModel {
   }
 
   size_t scratch_bytes() const {
-    return h_.size() + xn_.size() + qkv_.size() + q_.size() + att_.size() + act_.size() + work_.size() +
+    return h_.size() + xn_.size() + qkv_.size() + q_.size() + att_.size() + act_.size() + work_.size() + lin_work_.size() +
            big_logits_.size() + inputs_.size() + tops_.size() + argmax_work_.size();
+  }
+
+  // The linear() workspace for n rows: the largest of the layers' products (x in fp16 and,
+  // for quantized weights, the weights decoded to fp16 for a large prefill; not the output
+  // head, which a prefill runs for one row).
+  size_t linear_work_bytes(int64_t n) const {
+    const ModelConfig& c = config();
+    auto rows_of = [](std::initializer_list<const GpuWeight*> ws) {
+      int64_t r = 0;
+      bool f16 = true;
+      for (const GpuWeight* w : ws) {
+        r += w->n_out;
+        f16 = f16 && w->type == GgmlType::F16;
+      }
+      return f16 ? 0 : r;
+    };
+    size_t b = 0;
+    for (const GpuLayer& L : layers_) {
+      b = std::max({b, gpu::linear_work_bytes(n, c.dim, rows_of({&L.wq, &L.wk, &L.wv})),
+                    gpu::linear_work_bytes(n, L.wo.n_in, rows_of({&L.wo})),
+                    gpu::linear_work_bytes(n, c.dim, rows_of({&L.w_gate, &L.w_up})),
+                    gpu::linear_work_bytes(n, c.ffn_dim, rows_of({&L.w_down}))});
+    }
+    return b;
   }
 
   // Grows the activation scratch for n rows; growing invalidates every captured graph
@@ -290,6 +314,7 @@ class GpuModel final : public ForwardModel {
       SPECD_GPU_CHECK(gpuMemsetAsync(argmax_work_.get(), 0, argmax_work_.size(), stream_));  // counters at 0
     }
     grow(work_, gpu::attention_workspace_bytes(n, n_ctx, c.n_heads, c.head_dim));
+    grow(lin_work_, linear_work_bytes(n));
     staging_.reserve(n);
   }
 
@@ -382,6 +407,8 @@ class GpuModel final : public ForwardModel {
       a.y = y;
       a.ldy = ldy;
       a.n = rows;
+      a.work = lin_work_.get();
+      a.work_bytes = lin_work_.size();
       return a;
     };
     // h += x W^T: the residual add fused into the product
@@ -515,7 +542,7 @@ class GpuModel final : public ForwardModel {
   RopeParams rope_;
   std::vector<GpuLayer> layers_;
   // scratch (grown on demand; forward() is not re-entrant: the engine serialises calls)
-  mutable DeviceBuffer h_, xn_, qkv_, q_, att_, act_, work_, big_logits_, inputs_, tops_, argmax_work_;
+  mutable DeviceBuffer h_, xn_, qkv_, q_, att_, act_, work_, lin_work_, big_logits_, inputs_, tops_, argmax_work_;
   mutable Staging staging_;
   mutable uint64_t epoch_ = 1;
 };

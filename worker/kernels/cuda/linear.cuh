@@ -13,9 +13,12 @@
 //    Q6_K) on NVIDIA sm_80+ (matvec_tc.cu: x split into two fp16 halves, exact weights,
 //    float32 MMA accumulation; a verify of 16 positions costs ~1.6 decode steps), else
 //    float32 FMAs on the CUDA cores (matvec.cu).
-//  * n > kMaxSmallBatch (prefill): tiles of W are decoded to fp16 in shared memory and
-//    multiplied on tensor cores (wmma, fp16 x fp16 -> fp32 accumulate; the FMA fallback of
-//    the same tiling on HIP). Activations are rounded to fp16 (relative error ~1e-3).
+//  * n > kMaxSmallBatch (prefill): a GEMM on tensor cores, fp16 x fp16 -> fp32 accumulate,
+//    with tiles of W decoded to fp16 in shared memory (F16 weights copied as stored). On
+//    NVIDIA sm_80+ x is first rounded to fp16 into LinearArgs::work, then copied in tiles
+//    with cp.async through a 3-stage pipeline (mma.sync + ldmatrix); elsewhere (HIP, older
+//    GPUs) the wmma kernel, or its FMA fallback on HIP, converts x per tile. Activations are
+//    rounded to fp16 (relative error ~1e-3); not batch-invariant.
 #pragma once
 #include <cstdint>
 
@@ -57,7 +60,18 @@ struct LinearArgs {
   // a power-of-two scaling per row, dp4a on the 4-bit weights as stored), for calls whose
   // weights are all Q4_K, on NVIDIA. SPECD_GPU_INT=1 turns it on for every call.
   bool int_dot = false;
+  // Workspace of the large path (n > kMaxSmallBatch): device memory of at least
+  // linear_work_bytes(n, K) bytes, 16-byte aligned, not used by anything else during the call
+  // (x in fp16; with linear_work_bytes(n, K, rows) also the weights in fp16). May be null when
+  // linear_work_bytes is 0.
+  void* work = nullptr;
+  size_t work_bytes = 0;
 };
+
+// Bytes of LinearArgs::work that linear() needs for n rows of K inputs on the current device;
+// with dequant_rows (the weights' total output rows, when they are not all F16) it also holds
+// them decoded to fp16 for large n, which makes a quantized prefill faster.
+size_t linear_work_bytes(int64_t n, int64_t K, int64_t dequant_rows = 0);
 
 // Validates the arguments (throws Error naming the problem) and launches on `s`.
 // Launch shapes depend only on (n, weight shapes, types), so the call can be captured in a

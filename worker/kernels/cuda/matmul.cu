@@ -1,25 +1,34 @@
-// specd/cuda/matmul.cu: linear() for n > kMaxSmallBatch rows of x (prefill): a GEMM whose
-// weight tiles are decoded from the stored blocks into fp16 in shared memory and multiplied
-// on tensor cores (nvcuda::wmma m16n16k16, fp16 x fp16 -> fp32), or by plain FMAs of the
-// same tiling where wmma is absent (HIP, pre-Volta).
+// specd/cuda/matmul.cu: linear() for n > kMaxSmallBatch rows of x (prefill): a GEMM on
+// tensor cores, fp16 x fp16 -> fp32, two kernels.
 //
-// Maths: C[m, o] = sum_k half(x[m, k]) * half(W[o, k]) in float32, then bias and epilogue
-// in float32 (cuda/linear.cuh). The weights are decoded exactly (quants.cuh) and rounded to
-// fp16 once, the activations too: relative error ~1e-3 (fp16 keeps 11 significant bits),
-// not batch-invariant (prefill is; decode and verify take matvec.cu).
+// Maths (both): C[m, o] = sum_k half(x[m, k]) * half(W[o, k]) in float32, then bias and
+// epilogue in float32 (cuda/linear.cuh). The weights are decoded exactly (quants.cuh) and
+// rounded to fp16 once, the activations too: relative error ~1e-3 (fp16 keeps 11
+// significant bits), not batch-invariant (prefill is; decode and verify take matvec.cu).
 //
-// Tiles: a CTA computes BM = 128 rows of x by BN = 64 weight rows (SwiGLU: 32 gate rows and
-// the same 32 up rows, so the epilogue has both), stepping over K by BK = 128. 256 threads
-// = 8 warps as 4 (M) x 2 (N), each 32 x 32 outputs = 2 x 2 fragments. Per step the CTA
-// converts its x tile (16 float4 per thread) and decodes its W tile (4 pieces per thread)
-// into shared memory, then runs 8 k-steps of MMAs; several CTAs per SM overlap one's loads
-// with the others' MMAs. 52 KiB of shared memory: within the 64 KiB of sm_75 and gfx90a.
-// At the end the accumulators go through shared memory so that the epilogue writes y row
-// by row (coalesced).
+// gemm_kernel (NVIDIA sm_80+). x is first rounded to fp16 into the call's workspace
+// (half_kernel), once per call instead of once per CTA. A CTA computes BM = 128 (or 64, when
+// 128 would leave SMs idle or does not fit the device's shared memory) rows of x by 128
+// weight rows (SwiGLU: 64 gate rows and the same 64 up rows, so that the epilogue has both),
+// stepping over K by 64 through a 3-stage ring of shared-memory tiles: cp.async copies the
+// x tile (and an F16 weight tile as stored) two steps ahead; other types are decoded to fp16
+// by the threads two steps ahead, after the current step's MMAs. 8 warps as 2 (M) x 4 (N),
+// each BM/2 x 32 outputs: ldmatrix.x4 fragments, mma.sync m16n8k16. Rows are padded to 72
+// halves, so ldmatrix reads are free of bank conflicts.
+//
+// wmma_kernel (HIP, pre-sm_80): BM = 128 by BN = 64, stepping over K by 128; per step the
+// CTA converts its x tile (16 float4 per thread) and decodes its W tile (4 pieces per thread)
+// into shared memory, then runs 8 k-steps of nvcuda::wmma m16n16k16 (the FMA fallback of
+// the same tiling on HIP); several CTAs per SM overlap one's loads with the others' MMAs. 52
+// KiB of shared memory: within the 64 KiB of sm_75 and gfx90a.
+//
+// Both write the accumulators through shared memory, so that the epilogue writes y row by
+// row (coalesced).
 #include <mutex>
 
 #include "cuda/linear.cuh"
 #include "cuda/linear_params.cuh"
+#include "cuda/mma.cuh"
 #include "cuda/quants.cuh"
 
 #if SPECD_WMMA
@@ -32,17 +41,6 @@ namespace gpu {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int BM = 128, BN = 64, BK = 128;
-constexpr int kLd = BK + 8;    // halves per tile row: 16-byte aligned, rows shifted by 4 banks
-constexpr int kLdc = BN + 4;   // floats per row of the output tile
-constexpr size_t kSmem = (size_t)(BM + BN) * kLd * sizeof(__half);
-static_assert((size_t)BM * kLdc * sizeof(float) <= kSmem, "the output tile reuses the input tiles' memory");
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
-constexpr int kXUnroll = 1, kWUnroll = 1;  // loads in flight per thread (sm_75 spills with more)
-#else
-constexpr int kXUnroll = 4, kWUnroll = 2;
-#endif
-
 using MmWeight = LinWeight;  // cta0: first blockIdx.y of the weight
 using MmParams = LinParams;
 
@@ -52,58 +50,289 @@ __device__ __forceinline__ void store_half4(__half* dst, float a, float b, float
   h[1] = __floats2half2_rn(c, d);
 }
 
-// Decodes rows o0 .. o0+rows-1 of one weight, elements k0 .. k0+BK-1, into dst[r * kLd + kk]
-// as fp16 (zeros past n_out and past K). BK = 128 elements are exactly the pieces
-// k0/8 .. k0/8 + 15 of a row for every type (quants.cuh).
-template <GgmlType T>
+// The CTA's weight: j (index into p.w) and its first row o0 (SwiGLU: the gate/up row pair
+// index; bn weight rows per CTA, bn / 2 of each for SwiGLU).
+__device__ __forceinline__ void cta_weight(const MmParams& p, int bn, int& j, int64_t& o0) {
+  j = 0;
+  if (p.ep == Epilogue::SwiGLU) {
+    o0 = (int64_t)blockIdx.y * (bn / 2);
+    return;
+  }
+  if (p.n_w > 1 && (int)blockIdx.y >= p.w[1].cta0) j = 1;
+  if (p.n_w > 2 && (int)blockIdx.y >= p.w[2].cta0) j = 2;
+  o0 = (int64_t)(blockIdx.y - p.w[j].cta0) * bn;
+}
+
+// Decodes rows o0 .. o0+rows-1 of one weight, elements k0 .. k0+bk-1, into dst[r * ld + kk]
+// as fp16 (zeros past n_out and past K), with the CTA's threads. k0 is a multiple of bk (64 or
+// 128). The pieces of 64 consecutive elements (from a multiple of 64) are 8 consecutive
+// pieces of a row for every type but Q6_K, whose pieces pair elements 64 apart: there 128
+// elements are 16 pieces, and a 64-wide tile decodes all 16 and keeps the runs inside it.
+template <GgmlType T, int bk, int ld, int unroll>
 __device__ __forceinline__ void decode_tile(const MmWeight& w, int64_t o0, int rows, int64_t k0, int64_t K,
                                             __half* dst) {
   using D = Dec<T>;
-  constexpr int kPR = BK / 8;  // pieces per tile row
-#pragma unroll kWUnroll
-  for (int i = threadIdx.x; i < rows * kPR; i += kThreads) {
+  constexpr int kSpan = D::kGap == 64 && bk < 128 ? 128 : bk;  // elements the tile's pieces cover
+  constexpr int kPR = kSpan / 8;                              // pieces per tile row
+  const int64_t k_span = k0 - k0 % kSpan;
+#pragma unroll unroll
+  for (int i = threadIdx.x; i < rows * kPR; i += blockDim.x) {
     const int r = i / kPR;
-    const int64_t o = o0 + r, q = k0 / 8 + i % kPR;
+    const int64_t o = o0 + r, q = k_span / 8 + i % kPR;
     const int64_t blk = q / D::kPieces;
     const int sub = (int)(q % D::kPieces);
-    __half* d = dst + r * kLd + (blk * D::kElems + D::pos(sub) - k0);
+    const int64_t e = blk * D::kElems + D::pos(sub) - k0;  // the first run, relative to k0
     float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     if (o < w.n_out && q < K / 8) {
       Piece pc;
       D::load(w.data + (size_t)o * w.stride + blk * D::kBytes, sub, pc);
       dequant<D::kForm>(pc, v);
     }
-    store_half4(d, v[0], v[1], v[2], v[3]);
-    store_half4(d + D::kGap, v[4], v[5], v[6], v[7]);
+    __half* d = dst + r * ld;
+    if (kSpan == bk || (e >= 0 && e < bk)) store_half4(d + e, v[0], v[1], v[2], v[3]);
+    if (kSpan == bk || (e + D::kGap >= 0 && e + D::kGap < bk)) store_half4(d + e + D::kGap, v[4], v[5], v[6], v[7]);
   }
 }
 
+template <int bk, int ld, int unroll>
 __device__ __forceinline__ void decode_tile_any(const MmWeight& w, int64_t o0, int rows, int64_t k0, int64_t K,
                                                 __half* dst) {
-  with_type(w.type, [&](auto tag) { decode_tile<decltype(tag)::value>(w, o0, rows, k0, K, dst); });
+  with_type(w.type, [&](auto tag) { decode_tile<decltype(tag)::value, bk, ld, unroll>(w, o0, rows, k0, K, dst); });
 }
 
-__global__ void __launch_bounds__(kThreads, 2) matmul_kernel(const MmParams p) {
+// The epilogue, from the CTA's output tile Cs [bm][ldc] (SwiGLU: gate columns 0 .. bn/2-1,
+// up columns bn/2 .. bn-1), row by row.
+__device__ __forceinline__ void store_tile(const MmParams& p, const float* Cs, int ldc, int bm, int bn, int64_t m0,
+                                           int j, int64_t o0) {
+  const bool swiglu = p.ep == Epilogue::SwiGLU;
+  const int cols = swiglu ? bn / 2 : bn;
+  for (int i = threadIdx.x; i < bm * cols; i += blockDim.x) {
+    const int r = i / cols, c = i % cols;
+    const int64_t m = m0 + r, o = o0 + c;
+    if (m >= p.n) break;  // rows only grow with i
+    float* yr = p.y + m * p.ldy;
+    if (swiglu) {
+      if (o >= p.w[0].n_out) continue;
+      float g = Cs[r * ldc + c], u = Cs[r * ldc + c + bn / 2];
+      if (p.w[0].bias) g += p.w[0].bias[o];
+      if (p.w[1].bias) u += p.w[1].bias[o];
+      yr[o] = g / (1.f + __expf(-g)) * u;
+    } else {
+      const MmWeight& w = p.w[j];
+      if (o >= w.n_out) continue;
+      float v = Cs[r * ldc + c];
+      if (w.bias) v += w.bias[o];
+      if (p.ep == Epilogue::Accumulate) yr[w.col + o] += v;
+      else yr[w.col + o] = v;
+    }
+  }
+}
+
+// ---- gemm_kernel: NVIDIA sm_80+ (see the top of the file)
+
+// From this many rows of x, quantized weights are decoded to fp16 once per call (dequant_kernel)
+// where the workspace allows, rather than once per 128 rows of x in every CTA.
+constexpr int64_t kDequantMinRows = 256;
+
+namespace pipe {
+constexpr int BN = 128, BK = 64, kStages = 3;
+constexpr int kLd = BK + 8;   // halves per tile row (144 bytes: 8 rows hit 8 distinct 4-bank groups)
+constexpr int kLdc = BN + 4;  // floats per row of the output tile
+template <int BM>
+constexpr size_t smem_bytes() { return (size_t)kStages * (BM + BN) * kLd * sizeof(__half); }
+static_assert((size_t)128 * kLdc * sizeof(float) <= smem_bytes<128>(), "output tile fits the ring");
+static_assert((size_t)64 * kLdc * sizeof(float) <= smem_bytes<64>(), "output tile fits the ring");
+}  // namespace pipe
+
+// xh: x rounded to fp16, [n, K]. kCopyW: every weight of the call is F16 (copied as stored).
+// 2 x WN warps: each BM / 2 rows by BN / WN weight rows.
+template <int BM, int WN, bool kCopyW>
+__global__ void __launch_bounds__(64 * WN, 2) gemm_kernel(const MmParams p, const __half* __restrict__ xh) {
   gpu_grid_wait();  // (programmatic dependent launch: vendor.cuh)
   gpu_grid_launch_dependents();
+#if SPECD_MMA
+  using namespace pipe;
+  constexpr int kT = 64 * WN;          // threads
+  constexpr int MT = BM / 32;          // m16 tiles per warp: the warp's BM / 2 rows
+  constexpr int NT = BN / WN / 8;      // n8 tiles per warp
+  constexpr int kStageHalves = (BM + BN) * kLd;
+  extern __shared__ __align__(128) uint8_t smem[];
+  __half* ring = reinterpret_cast<__half*>(smem);
+  float* Cs = reinterpret_cast<float*>(smem);  // [BM][kLdc] output tile (after the K loop)
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, wm = warp / WN, wn = warp % WN;
+  const int64_t m0 = (int64_t)blockIdx.x * BM, K = p.K;
+  const bool swiglu = p.ep == Epilogue::SwiGLU;
+  int j;
+  int64_t o0;
+  cta_weight(p, BN, j, o0);
+  const int nk = (int)((K + BK - 1) / BK);
+
+  // Stage t's asynchronous copies: the x tile, and the weight tile when it is F16.
+  auto copy_stage = [&](int t) {
+    __half* As = ring + (t % kStages) * kStageHalves;
+    const int64_t k0 = (int64_t)t * BK;
+#pragma unroll
+    for (int i = tid; i < BM * (BK / 8); i += kT) {
+      const int r = i / (BK / 8), c = 8 * (i % (BK / 8));
+      const int64_t m = m0 + r, k = k0 + c;
+      const bool ok = m < p.n && k < K;
+      cp_async16(As + r * kLd + c, ok ? xh + m * K + k : xh, ok);
+    }
+    if constexpr (kCopyW) {
+      __half* Bs = As + BM * kLd;
+#pragma unroll
+      for (int i = tid; i < BN * (BK / 8); i += kT) {
+        const int r = i / (BK / 8), c = 8 * (i % (BK / 8));
+        const MmWeight& w = swiglu ? p.w[r / (BN / 2)] : p.w[j];
+        const int64_t o = o0 + (swiglu ? r % (BN / 2) : r), k = k0 + c;
+        const bool ok = o < w.n_out && k < K;
+        cp_async16(Bs + r * kLd + c, ok ? w.data + (size_t)o * w.stride + 2 * k : w.data, ok);
+      }
+    }
+  };
+  // Stage t's weight tile decoded by the threads (types other than F16).
+  auto decode_stage = [&](int t) {
+    if constexpr (!kCopyW) {
+      __half* Bs = ring + (t % kStages) * kStageHalves + BM * kLd;
+      const int64_t k0 = (int64_t)t * BK;
+      if (swiglu) {
+        decode_tile_any<BK, kLd, 2>(p.w[0], o0, BN / 2, k0, K, Bs);
+        decode_tile_any<BK, kLd, 2>(p.w[1], o0, BN / 2, k0, K, Bs + (BN / 2) * kLd);
+      } else {
+        decode_tile_any<BK, kLd, 2>(p.w[j], o0, BN, k0, K, Bs);
+      }
+    }
+  };
+
+  float acc[MT][NT][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
+
+  // Ring: stages 0 .. kStages-2 in flight before the loop; step t waits for stage t, starts
+  // the copies of stage t + kStages - 1 (into the slot step t - 1 read: every warp is past it
+  // after the barrier), runs its MMAs, then decodes that stage's weights. One commit group
+  // per step (empty at the end) keeps the wait count fixed.
+#pragma unroll
+  for (int t = 0; t < kStages - 1; ++t) {
+    if (t < nk) {
+      copy_stage(t);
+      decode_stage(t);
+    }
+    cp_async_commit();
+  }
+  for (int t = 0; t < nk; ++t) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();
+    const int tn = t + kStages - 1;
+    if (tn < nk) copy_stage(tn);
+    cp_async_commit();
+
+    const __half* As = ring + (t % kStages) * kStageHalves;
+    const __half* Bs = As + BM * kLd;
+#pragma unroll
+    for (int kk = 0; kk < BK; kk += 16) {
+      uint32_t a[MT][4], b[NT / 2][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+        ldmatrix_x4(a[mt], As + (wm * (BM / 2) + 16 * mt + lane % 16) * kLd + kk + 8 * (lane / 16));
+#pragma unroll
+      for (int np = 0; np < NT / 2; ++np)
+        ldmatrix_x4(b[np], Bs + (wn * (BN / WN) + 16 * np + lane % 8 + 8 * (lane / 16)) * kLd + kk + 8 * ((lane / 8) % 2));
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+          mma16816(acc[mt][nt], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b[nt / 2][2 * (nt % 2)],
+                   b[nt / 2][2 * (nt % 2) + 1]);
+    }
+    if (tn < nk) decode_stage(tn);
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // the ring becomes the output tile
+
+  const int g = lane / 4, c2 = 2 * (lane % 4);
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int r = wm * (BM / 2) + 16 * mt + g, c = wn * (BN / WN) + 8 * nt + c2;
+      *reinterpret_cast<float2*>(Cs + r * kLdc + c) = make_float2(acc[mt][nt][0], acc[mt][nt][1]);
+      *reinterpret_cast<float2*>(Cs + (r + 8) * kLdc + c) = make_float2(acc[mt][nt][2], acc[mt][nt][3]);
+    }
+  __syncthreads();
+  store_tile(p, Cs, kLdc, BM, BN, m0, j, o0);
+#else
+  (void)p;
+  (void)xh;
+#endif
+}
+
+// x (count floats, count % 4 == 0) -> fp16
+__global__ void half_kernel(const float* __restrict__ x, __half* __restrict__ xh, int64_t count) {
+  gpu_grid_wait();
+  gpu_grid_launch_dependents();
+  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < count / 4; i += stride) {
+    const float4 v = __ldg(reinterpret_cast<const float4*>(x) + i);
+    store_half4(xh + 4 * i, v.x, v.y, v.z, v.w);
+  }
+}
+
+// Every row of w decoded to fp16 into dst [n_out, K] (quantized prefill: the GEMM then copies
+// it like an F16 weight instead of decoding a tile per CTA).
+__global__ void dequant_kernel(const MmWeight w, int64_t K, __half* __restrict__ dst) {
+  gpu_grid_wait();
+  gpu_grid_launch_dependents();
+  with_type(w.type, [&](auto tag) {
+    using D = Dec<decltype(tag)::value>;
+    const int64_t per_row = K / 8, count = w.n_out * per_row, stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += stride) {
+      const int64_t o = i / per_row, q = i % per_row, blk = q / D::kPieces;
+      const int sub = (int)(q % D::kPieces);
+      Piece pc;
+      D::load(w.data + (size_t)o * w.stride + blk * D::kBytes, sub, pc);
+      float v[8];
+      dequant<D::kForm>(pc, v);
+      __half* d = dst + o * K + blk * D::kElems + D::pos(sub);
+      store_half4(d, v[0], v[1], v[2], v[3]);
+      store_half4(d + D::kGap, v[4], v[5], v[6], v[7]);
+    }
+  });
+}
+
+// ---- wmma_kernel: HIP and pre-sm_80 (see the top of the file)
+
+namespace tiles {
+constexpr int BM = 128, BN = 64, BK = 128;
+constexpr int kLd = BK + 8;    // halves per tile row: 16-byte aligned, rows shifted by 4 banks
+constexpr int kLdc = BN + 4;   // floats per row of the output tile
+constexpr size_t kSmem = (size_t)(BM + BN) * kLd * sizeof(__half);
+static_assert((size_t)BM * kLdc * sizeof(float) <= kSmem, "the output tile reuses the input tiles' memory");
+}  // namespace tiles
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+constexpr int kXUnroll = 1, kWUnroll = 1;  // loads in flight per thread (sm_75 spills with more)
+#else
+constexpr int kXUnroll = 4, kWUnroll = 2;
+#endif
+
+__global__ void __launch_bounds__(kThreads, 2) wmma_kernel(const MmParams p) {
+  gpu_grid_wait();  // (programmatic dependent launch: vendor.cuh)
+  gpu_grid_launch_dependents();
+  using namespace tiles;
   extern __shared__ __align__(128) uint8_t smem[];
   __half* As = reinterpret_cast<__half*>(smem);  // [BM][kLd] x tile, row-major
   __half* Bs = As + BM * kLd;                     // [BN][kLd] W tile: row o holds W[o, k0..]
   float* Cs = reinterpret_cast<float*>(smem);     // [BM][kLdc] output tile (after the K loop)
   const int tid = threadIdx.x, warp = tid / kGroup;
   const int64_t m0 = (int64_t)blockIdx.x * BM, K = p.K;
-
-  int j = 0;
-  int64_t o0;
   const bool swiglu = p.ep == Epilogue::SwiGLU;
-  if (swiglu) {
-    o0 = (int64_t)blockIdx.y * (BN / 2);
-  } else {
-    if (p.n_w > 1 && (int)blockIdx.y >= p.w[1].cta0) j = 1;
-    if (p.n_w > 2 && (int)blockIdx.y >= p.w[2].cta0) j = 2;
-    o0 = (int64_t)(blockIdx.y - p.w[j].cta0) * BN;
-  }
-
+  int j;
+  int64_t o0;
+  cta_weight(p, BN, j, o0);
 #if SPECD_WMMA
   using namespace nvcuda;
   const int wm = warp / 2, wn = warp % 2;  // warp tile: rows 32*wm.., columns 32*wn..
@@ -133,10 +362,10 @@ __global__ void __launch_bounds__(kThreads, 2) matmul_kernel(const MmParams p) {
       store_half4(As + r * kLd + c, v.x, v.y, v.z, v.w);
     }
     if (swiglu) {
-      decode_tile_any(p.w[0], o0, BN / 2, k0, K, Bs);
-      decode_tile_any(p.w[1], o0, BN / 2, k0, K, Bs + (BN / 2) * kLd);
+      decode_tile_any<BK, kLd, kWUnroll>(p.w[0], o0, BN / 2, k0, K, Bs);
+      decode_tile_any<BK, kLd, kWUnroll>(p.w[1], o0, BN / 2, k0, K, Bs + (BN / 2) * kLd);
     } else {
-      decode_tile_any(p.w[j], o0, BN, k0, K, Bs);
+      decode_tile_any<BK, kLd, kWUnroll>(p.w[j], o0, BN, k0, K, Bs);
     }
     __syncthreads();
 
@@ -185,45 +414,97 @@ __global__ void __launch_bounds__(kThreads, 2) matmul_kernel(const MmParams p) {
 #endif
   __syncthreads();
 
-  // epilogue, row by row
-  const int cols = swiglu ? BN / 2 : BN;
-  for (int i = tid; i < BM * cols; i += kThreads) {
-    const int r = i / cols, c = i % cols;
-    const int64_t m = m0 + r, o = o0 + c;
-    if (m >= p.n) break;  // rows only grow with i
-    float* yr = p.y + m * p.ldy;
-    if (swiglu) {
-      if (o >= p.w[0].n_out) continue;
-      float g = Cs[r * kLdc + c], u = Cs[r * kLdc + c + BN / 2];
-      if (p.w[0].bias) g += p.w[0].bias[o];
-      if (p.w[1].bias) u += p.w[1].bias[o];
-      yr[o] = g / (1.f + __expf(-g)) * u;
-    } else {
-      const MmWeight& w = p.w[j];
-      if (o >= w.n_out) continue;
-      float v = Cs[r * kLdc + c];
-      if (w.bias) v += w.bias[o];
-      if (p.ep == Epilogue::Accumulate) yr[w.col + o] += v;
-      else yr[w.col + o] = v;
-    }
-  }
+  store_tile(p, Cs, kLdc, BM, BN, m0, j, o0);
+}
+
+// The sm_80+ kernel unless SPECD_GPU_GEMM=wmma (benchmarks) or the device lacks it.
+bool use_pipe() {
+  static const bool off = env_value("SPECD_GPU_GEMM") == "wmma";
+  return !SPECD_HIP && dev_limits().mma && !off && dev_limits().smem_per_block >= pipe::smem_bytes<64>();
+}
+
+template <int BM, int WN, bool kCopyW>
+void launch_gemm(const MmParams& p, int64_t ctas, const __half* xh, gpuStream_t s) {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    SPECD_GPU_CHECK(gpuFuncSetAttribute((gemm_kernel<BM, WN, kCopyW>), gpuFuncAttributeMaxDynamicSharedMemorySize,
+                                        (int)pipe::smem_bytes<BM>()));
+  });
+  const dim3 grid((unsigned)ceil_div(p.n, BM), (unsigned)ctas);
+  gpu_launch("gemm_kernel", gemm_kernel<BM, WN, kCopyW>, grid, dim3(64 * WN), pipe::smem_bytes<BM>(), s, p, xh);
+}
+
+// Warp tiles: BM / 2 x 32 (8 warps) by default; SPECD_GPU_GEMM=w64: BM / 2 x 64 (4 warps).
+template <int BM>
+void launch_gemm(const MmParams& p, int64_t ctas, const __half* xh, bool copy_w, gpuStream_t s) {
+  static const bool wide = env_value("SPECD_GPU_GEMM") == "w64";
+  if (wide) copy_w ? launch_gemm<BM, 2, true>(p, ctas, xh, s) : launch_gemm<BM, 2, false>(p, ctas, xh, s);
+  else copy_w ? launch_gemm<BM, 4, true>(p, ctas, xh, s) : launch_gemm<BM, 4, false>(p, ctas, xh, s);
 }
 
 }  // namespace
+
+size_t linear_work_bytes(int64_t n, int64_t K, int64_t dequant_rows) {
+  if (n <= kMaxSmallBatch || !use_pipe()) return 0;
+  return sizeof(__half) * (size_t)((n + (n >= kDequantMinRows ? dequant_rows : 0)) * K);
+}
 
 // Arguments were checked by linear() (matvec.cu); norm_w is null here.
 void matmul_large(const LinearArgs& a, gpuStream_t s) {
   SPECD_CHECK(a.norm_w == nullptr, "linear: the fused RMSNorm is not available for n > kMaxSmallBatch");
   MmParams p;
-  const int64_t ctas = fill_params(p, a, BN);  // SwiGLU: BN / 2 gate rows over the same up rows
+  const int64_t K = a.w[0]->n_in;
+  if (use_pipe()) {
+    const size_t need = linear_work_bytes(a.n, K);
+    SPECD_CHECK(a.work != nullptr && a.work_bytes >= need && (uintptr_t)a.work % 16 == 0,
+                "linear: n = " + std::to_string(a.n) + " rows need a 16-byte aligned workspace of " +
+                    std::to_string(need) + " bytes (LinearArgs::work, linear_work_bytes), got " +
+                    std::to_string(a.work ? a.work_bytes : 0));
+    const int64_t ctas = fill_params(p, a, pipe::BN);  // SwiGLU: BN / 2 gate rows over the same up rows
+    SPECD_CHECK(ctas <= 65535, "linear: too many output rows for one launch (" + std::to_string(ctas) +
+                                   " tiles of " + std::to_string(pipe::BN) + ")");
+    __half* xh = static_cast<__half*>(a.work);
+    const int64_t count = a.n * K, grid_cap = 8 * (int64_t)dev_limits().sms;
+    gpu_launch("half_kernel", half_kernel, dim3((unsigned)std::min<int64_t>(ceil_div(count / 4, kThreads), grid_cap)),
+               dim3(kThreads), 0, s, a.x, xh, count);
+    bool copy_w = true;
+    int64_t rows = 0;
+    for (int j = 0; j < a.n_w; ++j) {
+      copy_w = copy_w && a.w[j]->type == GgmlType::F16;
+      rows += a.w[j]->n_out;
+    }
+    // Large batches of other types: every weight decoded to fp16 once (after x in the
+    // workspace), then copied like F16 weights, when the workspace has room for them.
+    if (!copy_w && a.n >= kDequantMinRows && a.work_bytes >= linear_work_bytes(a.n, K, rows)) {
+      __half* wh = xh + count;
+      for (int j = 0; j < a.n_w; ++j) {
+        MmWeight& w = p.w[j];
+        const int64_t pieces = w.n_out * (K / 8);
+        gpu_launch("dequant_kernel", dequant_kernel, dim3((unsigned)std::min<int64_t>(ceil_div(pieces, kThreads), grid_cap)),
+                   dim3(kThreads), 0, s, w, K, wh);
+        w.data = reinterpret_cast<const uint8_t*>(wh);
+        w.stride = sizeof(__half) * (size_t)K;
+        w.type = GgmlType::F16;
+        wh += w.n_out * K;
+      }
+      copy_w = true;
+    }
+    // 128-row tiles where they fill every SM twice (and fit), else 64
+    const bool big = ceil_div(a.n, 128) * ctas >= 2 * (int64_t)dev_limits().sms &&
+                     dev_limits().smem_per_block >= pipe::smem_bytes<128>();
+    if (big) launch_gemm<128>(p, ctas, xh, copy_w, s);
+    else launch_gemm<64>(p, ctas, xh, copy_w, s);
+    return;
+  }
+  const int64_t ctas = fill_params(p, a, tiles::BN);  // SwiGLU: BN / 2 gate rows over the same up rows
   SPECD_CHECK(ctas <= 65535, "linear: too many output rows for one launch (" + std::to_string(ctas) +
-                                 " tiles of " + std::to_string(BN) + ")");
+                                 " tiles of " + std::to_string(tiles::BN) + ")");
   static std::once_flag once;
   std::call_once(once, [] {
-    SPECD_GPU_CHECK(gpuFuncSetAttribute(matmul_kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, (int)kSmem));
+    SPECD_GPU_CHECK(gpuFuncSetAttribute(wmma_kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, (int)tiles::kSmem));
   });
-  const dim3 grid((unsigned)ceil_div(a.n, BM), (unsigned)ctas);
-  gpu_launch("matmul_kernel", matmul_kernel, grid, dim3(kThreads), kSmem, s, p);
+  const dim3 grid((unsigned)ceil_div(a.n, tiles::BM), (unsigned)ctas);
+  gpu_launch("wmma_kernel", wmma_kernel, grid, dim3(kThreads), tiles::kSmem, s, p);
 }
 
 }  // namespace gpu

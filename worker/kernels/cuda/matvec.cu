@@ -883,6 +883,13 @@ void linear(const std::vector<WeightView>& ws, const std::vector<const float*>& 
   a.ep = static_cast<Epilogue>(epilogue);
   a.tensor_cores = tensor_cores;
   a.int_dot = int_dot;
+  int64_t rows = 0;  // room for the weights in fp16 too (the quantized prefill's path)
+  for (const WeightView& w : ws) rows += w.n_out;
+  if (const size_t wb = linear_work_bytes(n, K, rows)) {
+    keep.push_back(DeviceBuffer(wb));
+    a.work = keep.back().get();
+    a.work_bytes = wb;
+  }
   gpu::linear(a, nullptr);
   SPECD_GPU_CHECK(gpuStreamSynchronize(nullptr));
   to_host(y, a.y, sizeof(float) * (size_t)(n * ldy));

@@ -50,13 +50,8 @@
 
 #include "cuda/linear.cuh"
 #include "cuda/linear_params.cuh"
+#include "cuda/mma.cuh"
 #include "cuda/quants.cuh"
-
-#if !SPECD_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-#define SPECD_MMA 1
-#else
-#define SPECD_MMA 0
-#endif
 
 namespace specd {
 namespace gpu {
@@ -86,16 +81,6 @@ __host__ __device__ constexpr size_t xstage_bytes(int64_t n, int64_t n_units) {
 constexpr size_t kXStageMax = 96 << 10;  // largest staging buffer (2 CTAs per SM still fit)
 
 #if SPECD_MMA
-// d += A (16 x 16, rows g/g+8, slots 2c.. and 2c+8..) * B (16 x 8), fp16 in, float32 accumulate
-__device__ __forceinline__ void mma16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 __device__ __forceinline__ uint32_t pack_half2(__half a, __half b) {
   return (uint32_t)__half_as_ushort(a) | ((uint32_t)__half_as_ushort(b) << 16);
 }

@@ -1,0 +1,66 @@
+// specd/cuda/mma.cuh: the NVIDIA sm_80+ tensor-core and asynchronous-copy instructions that
+// matvec_tc.cu and matmul.cu use, as inline PTX. SPECD_MMA is 1 in device code compiled for
+// sm_80+ on CUDA, else 0 (HIP, older targets, host code): code that uses these helpers sits
+// under `#if SPECD_MMA`, and its host side chooses it with dev_limits().mma.
+#pragma once
+#include <cstdint>
+
+#include "cuda/common.cuh"
+
+#if !SPECD_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define SPECD_MMA 1
+#else
+#define SPECD_MMA 0
+#endif
+
+namespace specd {
+namespace gpu {
+
+#if SPECD_MMA
+// d += A (16 x 16, rows g/g+8, slots 2c.. and 2c+8..) * B (16 x 8), fp16 in, float32 accumulate
+__device__ __forceinline__ void mma16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Four 8x8 fp16 matrices from shared memory: lanes 8i..8i+7 give the row addresses of matrix
+// i (16 bytes each); lane l receives row l / 4, elements 2 (l % 4) and 2 (l % 4) + 1 of each.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem_row) {
+  const uint32_t a = (uint32_t)__cvta_generic_to_shared(smem_row);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+
+// The same with each matrix transposed: lane l receives column l / 4, rows 2 (l % 4) and
+// 2 (l % 4) + 1 (B fragments from a row-major [k][n] tile).
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* smem_row) {
+  const uint32_t a = (uint32_t)__cvta_generic_to_shared(smem_row);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+
+__device__ __forceinline__ uint32_t h2_bits(__half2 v) { return *reinterpret_cast<uint32_t*>(&v); }
+
+// 16 bytes global -> shared, asynchronously (L2 only); zeros instead when !valid (src is
+// then not read, but must still be a valid address).
+__device__ __forceinline__ void cp_async16(void* smem, const void* src, bool valid) {
+  const uint32_t a = (uint32_t)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(a), "l"(src), "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Waits until at most `pending` of this thread's committed groups are still in flight.
+template <int pending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(pending) : "memory");
+}
+#endif
+
+}  // namespace gpu
+}  // namespace specd
