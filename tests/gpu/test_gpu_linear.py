@@ -54,11 +54,11 @@ def n_ins(qtype: T) -> tuple[int, int]:
     return 40, 1800
 
 
-def gpu(ws, biases, x, norm_w=None, eps=0.0, epilogue=0, y=None, tensor_cores=False, int_dot=False) -> np.ndarray:
+def gpu(ws, biases, x, norm_w=None, eps=0.0, epilogue=0, y=None, tensor_cores=False) -> np.ndarray:
     """ws: [(qtype, bytes, n_out, n_in)]."""
     return G.linear(weights=[(int(t), w, n_in, n_out) for t, w, n_out, n_in in ws], biases=biases,
                     x=np.ascontiguousarray(x, dtype=np.float32), norm_w=norm_w, eps=eps, epilogue=epilogue, y=y,
-                    tensor_cores=tensor_cores, int_dot=int_dot)
+                    tensor_cores=tensor_cores)
 
 
 # ---- error bounds (all derived for float32 / fp16 rounding; the float64 reference is exact
@@ -504,55 +504,3 @@ def test_tensor_core_staged_and_streamed_x_agree(qtype: T, rng: np.random.Genera
         alone = rows_alone(ws, [None], x, **kw)  # staged
         np.testing.assert_array_equal(gpu(ws, [None], x, **kw).view(np.uint32), alone.view(np.uint32))  # streamed
         np.testing.assert_array_equal(gpu(ws, [None], x[2:6], **kw).view(np.uint32), alone[2:6].view(np.uint32))
-
-
-# ---- integer dot products for Q4_K (int_dot=True: opt-in; NVIDIA, calls whose weights are all
-# Q4_K; elsewhere the float path answers, which passes the same checks): x keeps 30 bits per
-# element after a power-of-two scaling per row, as four 8-bit digits; dp4a sums are exact
-
-def int_bound(x64: np.ndarray, wf: np.ndarray, extra: float = 0.0) -> np.ndarray:
-    """small_bound plus the rounding of each scaled element to an integer: at most 2^-30 of the
-    row's largest |x|, times sum |w| of the output row."""
-    ax, aw = np.abs(x64), np.abs(wf)
-    return small_bound(ax, aw, extra) + 1.01 * 2.0**-30 * ax.max(1, keepdims=True) * aw.sum(1)[None, :]
-
-
-@pytest.mark.parametrize("n", [1, 3, 9, 17, 64])
-def test_int_dot_q4k_matches_float64(n: int, rng: np.random.Generator) -> None:
-    # K = 4096: one chunk of digits for tiles of up to 2 rows, four for tiles of 8 and 16
-    n_in = 4096
-    ws = [(T.Q4_K, random_weight(rng, T.Q4_K, m, n_in), m, n_in) for m in (96, 40)]
-    biases = [rng.standard_normal(96, dtype=np.float32), None]
-    x = (rng.standard_normal((n, n_in)) * 10.0 ** rng.uniform(-5, 5, (n, 1))).astype(np.float32)
-    check_store(gpu(ws, biases, x, int_dot=True), x, ws, biases, int_bound, f"int n={n}")
-
-
-@pytest.mark.parametrize("n", [1, 6, 33])
-def test_int_dot_q4k_norm_swiglu_accumulate(n: int, rng: np.random.Generator) -> None:
-    check_norm_swiglu_accumulate(rng, n, 2048, T.Q4_K, int_bound, 0, "int", int_dot=True)
-
-
-@pytest.mark.parametrize("n_in", [256, 4096, 12288])
-def test_int_dot_q4k_batch_invariant(n_in: int, rng: np.random.Generator) -> None:
-    # Row r is bit-identical alone or in any batch: the chunking of the digits (all of K for one
-    # row up to 8192, 1024 for 16) and the tile do not enter a row's arithmetic.
-    n_out = 133
-    ws = [(T.Q4_K, random_weight(rng, T.Q4_K, n_out, n_in), n_out, n_in)]
-    b = [rng.standard_normal(n_out, dtype=np.float32)]
-    x = (rng.standard_normal((MAX_SMALL, n_in)) * 10.0 ** rng.uniform(-3, 3, (MAX_SMALL, 1))).astype(np.float32)
-    for kw in (dict(int_dot=True), dict(norm_w=rng.uniform(0.5, 1.5, n_in).astype(np.float32), eps=1e-6,
-                                         int_dot=True)):
-        alone = rows_alone(ws, b, x, **kw)
-        for lo, hi in ((0, 64), (3, 20), (30, 63), (11, 44), (7, 9)):
-            np.testing.assert_array_equal(gpu(ws, b, x[lo:hi], **kw).view(np.uint32), alone[lo:hi].view(np.uint32))
-
-
-def test_int_dot_mixed_types_take_the_float_path(rng: np.random.Generator) -> None:
-    # A call with a Q6_K weight beside Q4_K (a Q4_K_M model's q, k, v) is read in float:
-    # the same bits as without int_dot.
-    n_in = 1024
-    ws = [(T.Q4_K, random_weight(rng, T.Q4_K, 64, n_in), 64, n_in),
-          (T.Q6_K, random_weight(rng, T.Q6_K, 32, n_in), 32, n_in)]
-    x = rng.standard_normal((5, n_in), dtype=np.float32)
-    np.testing.assert_array_equal(gpu(ws, [None, None], x, int_dot=True).view(np.uint32),
-                                  gpu(ws, [None, None], x).view(np.uint32))

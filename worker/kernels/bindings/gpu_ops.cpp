@@ -86,7 +86,7 @@ void register_gpu_ops(py::module_& m) {
   g.def(
       "linear",
       [](const py::list& weights, const py::list& biases, const f32_array& x, py::object norm_w, float eps,
-         int32_t epilogue, py::object y_in, bool tensor_cores, bool int_dot) {
+         int32_t epilogue, py::object y_in, bool tensor_cores) {
         std::vector<u8_array> keep;
         std::vector<f32_array> keepf;
         std::vector<WeightView> ws;
@@ -111,13 +111,12 @@ void register_gpu_ops(py::module_& m) {
         float* yp = y.mutable_data();
         {
           py::gil_scoped_release nogil;
-          T::linear(ws, bs, x.data(), n, nw, eps, epilogue, yp, cols, tensor_cores, int_dot);
+          T::linear(ws, bs, x.data(), n, nw, eps, epilogue, yp, cols, tensor_cores);
         }
         return y;
       },
       py::arg("weights"), py::arg("biases"), py::arg("x"), py::arg("norm_w") = py::none(), py::arg("eps") = 0.f,
-      py::arg("epilogue") = 0, py::arg("y") = py::none(), py::arg("tensor_cores") = false,
-      py::arg("int_dot") = false);
+      py::arg("epilogue") = 0, py::arg("y") = py::none(), py::arg("tensor_cores") = false);
   g.def("embed_rows", [](const py::tuple& w, const i32_array& tokens) {
     std::vector<u8_array> keep;
     WeightView wv = weight_of(w, keep);

@@ -100,17 +100,6 @@ __device__ __forceinline__ float pow2_range_scale(float m, int top) {
   return __uint_as_float((uint32_t)(se + 127) << 23);
 }
 
-// Largest value over the whole block (same contract as block_sum).
-__device__ __forceinline__ float block_max(float v, float* scratch) {
-  const int lane = threadIdx.x % kGroup, g = threadIdx.x / kGroup, ng = blockDim.x / kGroup;
-  v = group_max(v);
-  __syncthreads();
-  if (lane == 0) scratch[g] = v;
-  __syncthreads();
-  v = lane < ng ? scratch[lane] : __int_as_float((int)0xff800000u);  // -inf
-  return group_max(v);
-}
-
 __device__ __forceinline__ float load_f16(const uint16_t* p) {
   return __half2float(*reinterpret_cast<const __half*>(p));
 }

@@ -55,11 +55,6 @@ struct LinearArgs {
   // SPECD_GPU_TC overrides it for benchmarks: "0" never, "f16" F16 always, "all" also Q8_0,
   // Q4_K, Q6_K always.
   bool tensor_cores = false;
-  // Opt-in (experimental, not yet measured): Q4_K weights read with exact integer dot
-  // products on the CUDA cores (matvec.cu: x split into four 8-bit digits per element after
-  // a power-of-two scaling per row, dp4a on the 4-bit weights as stored), for calls whose
-  // weights are all Q4_K, on NVIDIA. SPECD_GPU_INT=1 turns it on for every call.
-  bool int_dot = false;
   // Workspace of the large path (n > kMaxSmallBatch): device memory of at least
   // linear_work_bytes(n, K) bytes, 16-byte aligned, not used by anything else during the call
   // (x in fp16; with linear_work_bytes(n, K, rows) also the weights in fp16). May be null when

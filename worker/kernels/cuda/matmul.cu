@@ -145,21 +145,21 @@ static_assert((size_t)64 * kLdc * sizeof(float) <= smem_bytes<64>(), "output til
 }  // namespace pipe
 
 // xh: x rounded to fp16, [n, K]. kCopyW: every weight of the call is F16 (copied as stored).
-// 2 x WN warps: each BM / 2 rows by BN / WN weight rows.
-template <int BM, int WN, bool kCopyW>
-__global__ void __launch_bounds__(64 * WN, 2) gemm_kernel(const MmParams p, const __half* __restrict__ xh) {
+template <int BM, bool kCopyW>
+__global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const MmParams p, const __half* __restrict__ xh) {
   gpu_grid_wait();  // (programmatic dependent launch: vendor.cuh)
   gpu_grid_launch_dependents();
 #if SPECD_MMA
   using namespace pipe;
-  constexpr int kT = 64 * WN;          // threads
-  constexpr int MT = BM / 32;          // m16 tiles per warp: the warp's BM / 2 rows
-  constexpr int NT = BN / WN / 8;      // n8 tiles per warp
+  constexpr int MT = BM / 32;  // m16 tiles per warp: the warp's BM / 2 rows
+  constexpr int NT = 4;        // n8 tiles per warp: its 32 weight rows
   constexpr int kStageHalves = (BM + BN) * kLd;
+  constexpr int kRowStep = kThreads / (BK / 8);  // a thread copies rows r0, r0 + 32, ...
+  constexpr int kItA = BM / kRowStep, kItB = BN / kRowStep;
   extern __shared__ __align__(128) uint8_t smem[];
   __half* ring = reinterpret_cast<__half*>(smem);
   float* Cs = reinterpret_cast<float*>(smem);  // [BM][kLdc] output tile (after the K loop)
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, wm = warp / WN, wn = warp % WN;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, wm = warp / 4, wn = warp % 4;
   const int64_t m0 = (int64_t)blockIdx.x * BM, K = p.K;
   const bool swiglu = p.ep == Epilogue::SwiGLU;
   int j;
@@ -167,26 +167,44 @@ __global__ void __launch_bounds__(64 * WN, 2) gemm_kernel(const MmParams p, cons
   cta_weight(p, BN, j, o0);
   const int nk = (int)((K + BK - 1) / BK);
 
+  // The thread's copies, fixed for the whole K loop: 16 bytes at column c of rows r0 + 32 i
+  // of each tile; sources and row validity computed once (per step only k advances).
+  const int r0 = tid / (BK / 8), c = 8 * (tid % (BK / 8));
+  const __half* a_src = xh + (m0 + r0) * K + c;
+  const int64_t a_step = (int64_t)kRowStep * K;
+  uint32_t a_ok = 0;
+#pragma unroll
+  for (int i = 0; i < kItA; ++i) a_ok |= (uint32_t)(m0 + r0 + kRowStep * i < p.n) << i;
+  const uint8_t* b_src[kCopyW ? kItB : 1];
+  uint32_t b_ok = 0;
+  if constexpr (kCopyW) {
+#pragma unroll
+    for (int i = 0; i < kItB; ++i) {
+      const int r = r0 + kRowStep * i;
+      const MmWeight& w = swiglu ? p.w[r / (BN / 2)] : p.w[j];
+      const int64_t o = o0 + (swiglu ? r % (BN / 2) : r);
+      const bool ok = o < w.n_out;
+      b_src[i] = ok ? w.data + (size_t)o * w.stride + 2 * c : w.data;
+      b_ok |= (uint32_t)ok << i;
+    }
+  }
+
   // Stage t's asynchronous copies: the x tile, and the weight tile when it is F16.
   auto copy_stage = [&](int t) {
-    __half* As = ring + (t % kStages) * kStageHalves;
+    __half* As = ring + (t % kStages) * kStageHalves + r0 * kLd + c;
     const int64_t k0 = (int64_t)t * BK;
+    const bool k_ok = k0 + c < K;  // K % 8 == 0: 8 elements are all inside K or all past it
 #pragma unroll
-    for (int i = tid; i < BM * (BK / 8); i += kT) {
-      const int r = i / (BK / 8), c = 8 * (i % (BK / 8));
-      const int64_t m = m0 + r, k = k0 + c;
-      const bool ok = m < p.n && k < K;
-      cp_async16(As + r * kLd + c, ok ? xh + m * K + k : xh, ok);
+    for (int i = 0; i < kItA; ++i) {
+      const bool ok = k_ok && (a_ok >> i & 1);
+      cp_async16(As + kRowStep * i * kLd, ok ? a_src + i * a_step + k0 : xh, ok);
     }
     if constexpr (kCopyW) {
       __half* Bs = As + BM * kLd;
 #pragma unroll
-      for (int i = tid; i < BN * (BK / 8); i += kT) {
-        const int r = i / (BK / 8), c = 8 * (i % (BK / 8));
-        const MmWeight& w = swiglu ? p.w[r / (BN / 2)] : p.w[j];
-        const int64_t o = o0 + (swiglu ? r % (BN / 2) : r), k = k0 + c;
-        const bool ok = o < w.n_out && k < K;
-        cp_async16(Bs + r * kLd + c, ok ? w.data + (size_t)o * w.stride + 2 * k : w.data, ok);
+      for (int i = 0; i < kItB; ++i) {
+        const bool ok = k_ok && (b_ok >> i & 1);
+        cp_async16(Bs + kRowStep * i * kLd, ok ? b_src[i] + 2 * k0 : b_src[i], ok);
       }
     }
   };
@@ -241,7 +259,7 @@ __global__ void __launch_bounds__(64 * WN, 2) gemm_kernel(const MmParams p, cons
         ldmatrix_x4(a[mt], As + (wm * (BM / 2) + 16 * mt + lane % 16) * kLd + kk + 8 * (lane / 16));
 #pragma unroll
       for (int np = 0; np < NT / 2; ++np)
-        ldmatrix_x4(b[np], Bs + (wn * (BN / WN) + 16 * np + lane % 8 + 8 * (lane / 16)) * kLd + kk + 8 * ((lane / 8) % 2));
+        ldmatrix_x4(b[np], Bs + (wn * 32 + 16 * np + lane % 8 + 8 * (lane / 16)) * kLd + kk + 8 * ((lane / 8) % 2));
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -259,9 +277,9 @@ __global__ void __launch_bounds__(64 * WN, 2) gemm_kernel(const MmParams p, cons
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-      const int r = wm * (BM / 2) + 16 * mt + g, c = wn * (BN / WN) + 8 * nt + c2;
-      *reinterpret_cast<float2*>(Cs + r * kLdc + c) = make_float2(acc[mt][nt][0], acc[mt][nt][1]);
-      *reinterpret_cast<float2*>(Cs + (r + 8) * kLdc + c) = make_float2(acc[mt][nt][2], acc[mt][nt][3]);
+      const int r = wm * (BM / 2) + 16 * mt + g, col = wn * 32 + 8 * nt + c2;
+      *reinterpret_cast<float2*>(Cs + r * kLdc + col) = make_float2(acc[mt][nt][0], acc[mt][nt][1]);
+      *reinterpret_cast<float2*>(Cs + (r + 8) * kLdc + col) = make_float2(acc[mt][nt][2], acc[mt][nt][3]);
     }
   __syncthreads();
   store_tile(p, Cs, kLdc, BM, BN, m0, j, o0);
@@ -327,7 +345,7 @@ __global__ void __launch_bounds__(kThreads, 2) wmma_kernel(const MmParams p) {
   __half* As = reinterpret_cast<__half*>(smem);  // [BM][kLd] x tile, row-major
   __half* Bs = As + BM * kLd;                     // [BN][kLd] W tile: row o holds W[o, k0..]
   float* Cs = reinterpret_cast<float*>(smem);     // [BM][kLdc] output tile (after the K loop)
-  const int tid = threadIdx.x, warp = tid / kGroup;
+  const int tid = threadIdx.x;
   const int64_t m0 = (int64_t)blockIdx.x * BM, K = p.K;
   const bool swiglu = p.ep == Epilogue::SwiGLU;
   int j;
@@ -335,7 +353,7 @@ __global__ void __launch_bounds__(kThreads, 2) wmma_kernel(const MmParams p) {
   cta_weight(p, BN, j, o0);
 #if SPECD_WMMA
   using namespace nvcuda;
-  const int wm = warp / 2, wn = warp % 2;  // warp tile: rows 32*wm.., columns 32*wn..
+  const int warp = tid / kGroup, wm = warp / 2, wn = warp % 2;  // warp tile: rows 32*wm.., columns 32*wn..
   wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][2];
 #pragma unroll
   for (int i = 0; i < 2; ++i)
@@ -423,23 +441,20 @@ bool use_pipe() {
   return !SPECD_HIP && dev_limits().mma && !off && dev_limits().smem_per_block >= pipe::smem_bytes<64>();
 }
 
-template <int BM, int WN, bool kCopyW>
+template <int BM, bool kCopyW>
 void launch_gemm(const MmParams& p, int64_t ctas, const __half* xh, gpuStream_t s) {
   static std::once_flag once;
   std::call_once(once, [] {
-    SPECD_GPU_CHECK(gpuFuncSetAttribute((gemm_kernel<BM, WN, kCopyW>), gpuFuncAttributeMaxDynamicSharedMemorySize,
+    SPECD_GPU_CHECK(gpuFuncSetAttribute((gemm_kernel<BM, kCopyW>), gpuFuncAttributeMaxDynamicSharedMemorySize,
                                         (int)pipe::smem_bytes<BM>()));
   });
   const dim3 grid((unsigned)ceil_div(p.n, BM), (unsigned)ctas);
-  gpu_launch("gemm_kernel", gemm_kernel<BM, WN, kCopyW>, grid, dim3(64 * WN), pipe::smem_bytes<BM>(), s, p, xh);
+  gpu_launch("gemm_kernel", gemm_kernel<BM, kCopyW>, grid, dim3(kThreads), pipe::smem_bytes<BM>(), s, p, xh);
 }
 
-// Warp tiles: BM / 2 x 32 (8 warps) by default; SPECD_GPU_GEMM=w64: BM / 2 x 64 (4 warps).
 template <int BM>
 void launch_gemm(const MmParams& p, int64_t ctas, const __half* xh, bool copy_w, gpuStream_t s) {
-  static const bool wide = env_value("SPECD_GPU_GEMM") == "w64";
-  if (wide) copy_w ? launch_gemm<BM, 2, true>(p, ctas, xh, s) : launch_gemm<BM, 2, false>(p, ctas, xh, s);
-  else copy_w ? launch_gemm<BM, 4, true>(p, ctas, xh, s) : launch_gemm<BM, 4, false>(p, ctas, xh, s);
+  copy_w ? launch_gemm<BM, true>(p, ctas, xh, s) : launch_gemm<BM, false>(p, ctas, xh, s);
 }
 
 }  // namespace
@@ -489,8 +504,10 @@ void matmul_large(const LinearArgs& a, gpuStream_t s) {
       }
       copy_w = true;
     }
-    // 128-row tiles where they fill every SM twice (and fit), else 64
-    const bool big = ceil_div(a.n, 128) * ctas >= 2 * (int64_t)dev_limits().sms &&
+    // 128-row tiles where they fill every SM twice (SPECD_GPU_GEMM=bm128: always) and fit,
+    // else 64
+    static const bool always128 = env_value("SPECD_GPU_GEMM") == "bm128";
+    const bool big = (always128 || ceil_div(a.n, 128) * ctas >= 2 * (int64_t)dev_limits().sms) &&
                      dev_limits().smem_per_block >= pipe::smem_bytes<128>();
     if (big) launch_gemm<128>(p, ctas, xh, copy_w, s);
     else launch_gemm<64>(p, ctas, xh, copy_w, s);

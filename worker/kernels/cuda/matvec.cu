@@ -21,11 +21,6 @@
 // call): not on n, NR, the tile, the other rows or RPG. So row r of y is bit-identical
 // whatever else is computed with it. The RMSNorm factor of a row is a fixed-order reduction
 // over the whole CTA (float4 steps, then block_sum), the same in every CTA.
-//
-// Opt-in integer path (LinearArgs::int_dot, SPECD_GPU_INT=1; calls whose weights are all
-// Q4_K, NVIDIA): the same kernel and staging with exact dp4a products on digits of x, below
-// ("integer dot products for Q4_K"). Written 2026-11-30 after the session's last GPU run:
-// compiled only, its GPU tests (test_int_dot_*) not yet run, not measured.
 #include <algorithm>
 #include <cstdlib>
 #include <mutex>
@@ -112,8 +107,6 @@ struct MvWeight : LinWeight {    // (cta0: first blockIdx.x of the weight)
 struct MvParams : LinParamsOf<MvWeight> {
   int32_t stage_elems = 1024;     // K elements per stage
   int32_t pitch = 0;              // shared bytes per staged row
-  int32_t chunk = 0;              // integer path: x elements per digit chunk (a multiple of 1024)
-  int32_t dig_off = 0;            // integer path: offset of the digit table in shared memory
 };
 
 // A group's staged row: where its bytes come from and how many per stage.
@@ -274,159 +267,6 @@ __device__ __forceinline__ void stage_dot_mixed(const MvParams& p, const GgmlTyp
   }
 }
 
-// ---- integer dot products for Q4_K (opt-in: LinearArgs::int_dot, SPECD_GPU_INT=1; NVIDIA
-// only, so HIP builds leave these helpers unused)
-//
-// Maths. Row r of x (times the fused norm weight nw, rounded once) is scaled by a power of
-// two s_r that puts its largest magnitude in [2^29, 2^30), rounded to integers X (|X| <= 2^30:
-// every element within 2^24 of the row's largest keeps its float32 value exactly) and split
-// into balanced base-256 digits X = d0 + 2^8 d1 + 2^16 d2 + 2^24 d3 (d0..d2 in [-128, 127],
-// d3 in [-65, 65]). A lane's 8 weights of one Q4_K sub-block (q in 0..15, as stored) meet the
-// 8 digits of each order in dp4a instructions: exact int32 sums t0..t3, combined as
-// 2^16 (2^8 t3 + t2) + (2^8 t1 + t0) in one float rounding (both halves below 2^22: exact
-// as floats), then scaled by d sc; the sub-block's first lane adds -dmin mn sum(X) (a table
-// of the sums over each 32 elements). y = (the group's sum) inv_r / s_r. Per weight that is
-// a quarter of a dp4a per digit instead of a conversion, a norm multiply and an FMA.
-//
-// Shared memory: x is digitized per CTA in chunks of `chunk` elements (all of K for one row
-// up to 8192; 1024 for tiles of 8 and 16 rows), each between two CTA barriers at a stage
-// boundary (every warp runs the same stages). Per row: chunk / 4 cells of 16 bytes (the 4
-// digit words of 4 consecutive elements; cell j stored at j ^ bit 4 of j, so that a quarter
-// warp's loads hit 8 different bank groups), then chunk / 32 floats of sums.
-// Batch invariance: digits, sums and each lane's operation order depend only on the row, its
-// weights and K: not on n, the tile, RPG or the chunk size.
-
-// x elements per digit chunk for tiles of nr rows, and the table's bytes
-__host__ __device__ constexpr int int_chunk(int nr) { return nr >= 8 ? 1024 : 8192 / nr; }
-__host__ __device__ constexpr size_t int_smem(int nr) { return (size_t)nr * (size_t)int_chunk(nr) / 8 * 33; }
-
-[[maybe_unused]] __device__ __forceinline__ int dot4_i8(uint32_t a, uint32_t b, int c) {  // c + sum of the 4 signed byte products
-#if !SPECD_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 610
-  return __dp4a((int)a, (int)b, c);
-#else
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int x = (int)((a >> (8 * i)) & 0xFF), y = (int)((b >> (8 * i)) & 0xFF);
-    c += ((x ^ 0x80) - 0x80) * ((y ^ 0x80) - 0x80);
-  }
-  return c;
-#endif
-}
-
-// v exactly as a float, for |v| < 2^22 (the bits of 1.5 * 2^23 + v, minus 1.5 * 2^23)
-[[maybe_unused]] __device__ __forceinline__ float small_i2f(int v) { return __int_as_float(0x4B400000 + v) - 12582912.f; }
-
-[[maybe_unused]] __device__ __forceinline__ int cell_of(int j) { return j ^ ((j >> 4) & 1); }
-
-// sum over 8 elements of w * X: weights w0 (elements 0-3), w1 (4-7) as bytes, digit cells c0, c1
-[[maybe_unused]] __device__ __forceinline__ float dot8_digits(uint32_t w0, uint32_t w1, const uint4& c0, const uint4& c1) {
-  const int t0 = dot4_i8(w0, c0.x, dot4_i8(w1, c1.x, 0));
-  const int t1 = dot4_i8(w0, c0.y, dot4_i8(w1, c1.y, 0));
-  const int t2 = dot4_i8(w0, c0.z, dot4_i8(w1, c1.z, 0));
-  const int t3 = dot4_i8(w0, c0.w, dot4_i8(w1, c1.w, 0));
-  return fmaf(small_i2f(t3 * 256 + t2), 65536.f, small_i2f(t1 * 256 + t0));
-}
-
-// Digits of x rows row0 .. row0 + NR - 1 (clamped to n - 1) at elements kc0 .. kc0 + kc - 1
-// (kc a multiple of 32) into dig, xs[r] = s_r. Every thread of the CTA takes part.
-template <int NR>
-__device__ void digitize(const MvParams& p, int64_t row0, const float* xs, int64_t kc0, int kc, uint8_t* dig) {
-  const int cells = kc / 4, total = NR * cells;  // total: a multiple of 8
-  float* sx = reinterpret_cast<float*>(dig + (size_t)NR * cells * 16);
-  for (int q0 = 0; q0 < total; q0 += kThreads) {  // the same trip count in every warp
-    const int q = q0 + (int)threadIdx.x;
-    const bool ok = q < total;
-    const int r = ok ? q / cells : 0, j = ok ? q % cells : 0;
-    const int64_t k = kc0 + 4 * j;
-    int X[4] = {0, 0, 0, 0};
-    if (ok) {
-      const int64_t row = min(row0 + r, p.n - 1);
-      float4 v = ldg4(p.x + row * p.K + k);
-      if (p.norm_w != nullptr) {
-        const float4 w = ldg4(p.norm_w + k);
-        v = make_float4(__fmul_rn(v.x, w.x), __fmul_rn(v.y, w.y), __fmul_rn(v.z, w.z), __fmul_rn(v.w, w.w));
-      }
-      const float s = xs[r];
-      X[0] = __float2int_rn(__fmul_rn(v.x, s));
-      X[1] = __float2int_rn(__fmul_rn(v.y, s));
-      X[2] = __float2int_rn(__fmul_rn(v.z, s));
-      X[3] = __float2int_rn(__fmul_rn(v.w, s));
-    }
-    uint32_t wd[4] = {0u, 0u, 0u, 0u};
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      int a = X[e];
-#pragma unroll
-      for (int d = 0; d < 3; ++d) {
-        const int low = ((a & 0xFF) ^ 0x80) - 0x80;  // the low byte, signed: a - low is a multiple of 256
-        wd[d] |= (uint32_t)(low & 0xFF) << (8 * e);
-        a = (a - low) / 256;
-      }
-      wd[3] |= (uint32_t)(a & 0xFF) << (8 * e);
-    }
-    // sum of X over the 32 elements of this cell's group of 8 (8 consecutive lanes, fixed order)
-    float sum = __fadd_rn(__fadd_rn((float)X[0], (float)X[1]), __fadd_rn((float)X[2], (float)X[3]));
-    sum = __fadd_rn(sum, gpu_shfl_xor(sum, 1));
-    sum = __fadd_rn(sum, gpu_shfl_xor(sum, 2));
-    sum = __fadd_rn(sum, gpu_shfl_xor(sum, 4));
-    if (ok) {
-      *reinterpret_cast<uint4*>(dig + ((size_t)r * cells + cell_of(j)) * 16) = make_uint4(wd[0], wd[1], wd[2], wd[3]);
-      if ((j & 7) == 0) sx[r * (cells / 8) + j / 8] = sum;
-    }
-  }
-}
-
-// One stage of Q4_K rows on integer digits: as the Q4_K path of stage_dot (lane -> pieces 2m,
-// 2m + 1 of blocks lane / 16 and 2 + lane / 16), kr0 = the stage's first element within the
-// chunk of kc elements whose digits are in dig.
-template <int NR, int RPG>
-__device__ __forceinline__ void stage_dot_int(const uint8_t* const (&base)[RPG], int n_pc, int kr0, int kc,
-                                              const uint8_t* dig, float (&acc)[RPG][NR], int lane) {
-  using D = Dec<GgmlType::Q4_K>;
-  const int cells = kc / 4;
-  const float* sx = reinterpret_cast<const float*>(dig + (size_t)NR * cells * 16);
-  const int m = lane & 15, g = m >> 2, c = m & 3;
-#pragma unroll
-  for (int i = 0; i < 1024 / 256 / 2; ++i) {
-    const int blk = 2 * i + (lane >> 4);
-    if (blk * D::kPieces >= n_pc) continue;  // (past a short last stage)
-    const int kr = kr0 + blk * D::kElems + 64 * g + 8 * c;  // run 0: kr .. kr + 7; run 1: kr + 32 ..
-    const int j = kr / 4, sub = kr / 32;
-    uint32_t a0[RPG], a1[RPG], b0[RPG], b1[RPG];
-    float s0[RPG], s1[RPG], m0[RPG], m1[RPG];
-#pragma unroll
-    for (int rr = 0; rr < RPG; ++rr) {
-      const Q4kPair q = q4k_pair(base[rr] + blk * D::kBytes, m);
-      a0[rr] = q.v[0] & 0x0F0F0F0Fu;  // sub-block 2g: low nibbles
-      a1[rr] = q.v[1] & 0x0F0F0F0Fu;
-      b0[rr] = (q.v[0] >> 4) & 0x0F0F0F0Fu;  // sub-block 2g + 1: high nibbles
-      b1[rr] = (q.v[1] >> 4) & 0x0F0F0F0Fu;
-      s0[rr] = q.s[0];
-      s1[rr] = q.s[1];
-      const float lead = c == 0 ? 1.f : 0.f;  // the sub-blocks' first lane adds their min terms
-      m0[rr] = q.m[0] * lead;
-      m1[rr] = q.m[1] * lead;
-    }
-#pragma unroll
-    for (int r = 0; r < NR; ++r) {
-      const uint8_t* row = dig + (size_t)r * cells * 16;
-      const uint4 xa0 = *reinterpret_cast<const uint4*>(row + 16 * cell_of(j));
-      const uint4 xa1 = *reinterpret_cast<const uint4*>(row + 16 * cell_of(j + 1));
-      const uint4 xb0 = *reinterpret_cast<const uint4*>(row + 16 * cell_of(j + 8));
-      const uint4 xb1 = *reinterpret_cast<const uint4*>(row + 16 * cell_of(j + 9));
-      const float sa = sx[r * (cells / 8) + sub], sb = sx[r * (cells / 8) + sub + 1];
-#pragma unroll
-      for (int rr = 0; rr < RPG; ++rr) {
-        float& a = acc[rr][r];
-        a = fmaf(s0[rr], dot8_digits(a0[rr], a1[rr], xa0, xa1), a);
-        a = fmaf(m0[rr], sa, a);
-        a = fmaf(s1[rr], dot8_digits(b0[rr], b1[rr], xb0, xb1), a);
-        a = fmaf(m1[rr], sb, a);
-      }
-    }
-  }
-}
-
 // Blocks per multiprocessor the kernel is compiled for (registers per thread follow).
 constexpr int mv_min_blocks(int nr, int rpg) { return nr * rpg == 1 ? 4 : nr == 1 ? 3 : nr * rpg >= 16 ? 1 : 2; }
 
@@ -440,7 +280,7 @@ constexpr int mv_min_blocks(int nr, int rpg) { return nr * rpg == 1 ? 4 : nr == 
 // Programmatic dependent launch (sm_90): the weight copies of the first stages are issued
 // before gpu_grid_wait(), so they overlap the end of the kernel this one depends on; x, the
 // norm weight and y are touched only after it.
-template <int NR, int RPG, bool kInt>
+template <int NR, int RPG>
 __global__ void __launch_bounds__(kThreads, mv_min_blocks(NR, RPG)) matvec_kernel(const MvParams p) {
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ float red[kGroup];
@@ -492,33 +332,7 @@ __global__ void __launch_bounds__(kThreads, mv_min_blocks(NR, RPG)) matvec_kerne
   // inv_r = 1/sqrt(mean(x_r^2) + eps): one fixed-order CTA reduction per row (threads over
   // K in float4 steps, every row's loads in flight together), the same in every CTA and for
   // every n
-  __shared__ float xscale[NR];  // integer path: s_r
-  if constexpr (kInt) {  // also max |x nw| for s_r; inv[r] = inv_r / s_r
-    float ss[NR], mx[NR];
-#pragma unroll
-    for (int r = 0; r < NR; ++r) ss[r] = mx[r] = 0.f;
-    for (int64_t k = 4 * threadIdx.x; k < K; k += 4 * kThreads) {
-      float4 w = make_float4(1.f, 1.f, 1.f, 1.f);
-      if (p.norm_w != nullptr) w = ldg4(p.norm_w + k);
-#pragma unroll
-      for (int r = 0; r < NR; ++r) {
-        const float4 v = ldg4(p.x + xoff[r] + k);
-        ss[r] = add_squares(v, ss[r]);
-        mx[r] = max_abs_prod(v, w, mx[r]);
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < NR; ++r) {
-      const float t = block_sum(ss[r], red), m = block_max(mx[r], red);
-      if (threadIdx.x == 0) {
-        const bool finite = isfinite(m) && isfinite(t);  // NaN / inf in x: a NaN row (digits of 0)
-        const float sc = finite ? pow2_range_scale(m, 29) : 0.f;  // the largest |x nw| in [2^29, 2^30)
-        xscale[r] = sc;
-        const float f = p.norm_w != nullptr ? rsqrtf(t / (float)K + p.eps) : 1.f;
-        inv[r] = finite ? f / sc : __int_as_float(0x7fc00000);
-      }
-    }
-  } else if (p.norm_w != nullptr) {
+  if (p.norm_w != nullptr) {
     float ss[NR];
 #pragma unroll
     for (int r = 0; r < NR; ++r) ss[r] = 0.f;
@@ -544,20 +358,7 @@ __global__ void __launch_bounds__(kThreads, mv_min_blocks(NR, RPG)) matvec_kerne
 #pragma unroll
   for (int rr = 1; rr < RPG; ++rr) mixed |= type[rr] != type[0];
 
-  uint8_t* dig = smem + p.dig_off;  // integer path: the digit table of the current chunk
-  int64_t kc0 = 0;
-  int kc = 0;
   for (int st = 0; st < n_st; ++st) {
-    if constexpr (kInt) {
-      const int64_t ks = (int64_t)st * se;
-      if (ks % p.chunk == 0) {  // the next chunk of digits (every warp is at this stage)
-        __syncthreads();        // the previous chunk is no longer read; xscale is written
-        kc0 = ks;
-        kc = (int)min((int64_t)p.chunk, K - ks);
-        digitize<NR>(p, row0, xscale, kc0, kc, dig);
-        __syncthreads();
-      }
-    }
     cp_wait<kStages - 2>();  // stage st has landed (this lane's copies)
     group_sync();            // ... everyone's; and buffer (st-1) % kStages is free again
     issue(st + kStages - 1);
@@ -573,11 +374,7 @@ __global__ void __launch_bounds__(kThreads, mv_min_blocks(NR, RPG)) matvec_kerne
         continue;
       }
     }
-    if constexpr (kInt) {  // (every weight of the call is Q4_K)
-      stage_dot_int<NR, RPG>(base, n_pc, (int)(k0 - kc0), kc, dig, acc, lane);
-    } else {
-      with_type(type[0], [&](auto tag) { stage_dot<decltype(tag)::value, NR, RPG>(p, base, n_pc, k0, xoff, acc, lane); });
-    }
+    with_type(type[0], [&](auto tag) { stage_dot<decltype(tag)::value, NR, RPG>(p, base, n_pc, k0, xoff, acc, lane); });
   }
   cp_wait<0>();
   __syncthreads();  // inv[] is visible (written before this barrier)
@@ -709,50 +506,28 @@ void check_linear(const LinearArgs& a) {
   SPECD_CHECK(x1 <= y0 || y1 <= x0, "linear: y must not overlap x");
 }
 
-template <int NR, int RPG, bool kInt>
+template <int NR, int RPG>
 void launch_matvec(const MvParams& p, int ctas, size_t smem, gpuStream_t s) {
-  static std::once_flag once;  // allow the largest staging buffer (and digit table) once per kernel
+  static std::once_flag once;  // allow the largest staging buffer once per kernel
   std::call_once(once, [] {
-    SPECD_GPU_CHECK(gpuFuncSetAttribute((matvec_kernel<NR, RPG, kInt>), gpuFuncAttributeMaxDynamicSharedMemorySize,
-                                        (int)(max_smem(RPG) + (kInt ? int_smem(NR) : 0))));
+    SPECD_GPU_CHECK(gpuFuncSetAttribute((matvec_kernel<NR, RPG>), gpuFuncAttributeMaxDynamicSharedMemorySize,
+                                        (int)max_smem(RPG)));
   });
   const dim3 grid((unsigned)ctas, (unsigned)ceil_div(p.n, NR));
-  gpu_launch("matvec_kernel", matvec_kernel<NR, RPG, kInt>, grid, dim3(kThreads), smem, s, p);
-}
-
-template <int NR, int RPG>
-void launch_matvec(const MvParams& p, bool int_dot, int ctas, size_t smem, gpuStream_t s) {
-#if !SPECD_HIP  // (the integer path is NVIDIA's: int_dot_on() is false on HIP)
-  if (int_dot) {
-    launch_matvec<NR, RPG, true>(p, ctas, smem, s);
-    return;
-  }
-#endif
-  (void)int_dot;
-  launch_matvec<NR, RPG, false>(p, ctas, smem, s);
+  gpu_launch("matvec_kernel", matvec_kernel<NR, RPG>, grid, dim3(kThreads), smem, s, p);
 }
 
 // The compiled (NR, RPG) pairs: RPG 1 or 2 for tiles of up to 4 rows of x, 2 or 4 for 8 and
 // 16 (more weight rows share each x load there).
 template <int NR>
-void launch_matvec(const MvParams& p, bool int_dot, int rpg, int ctas, size_t smem, gpuStream_t s) {
+void launch_matvec(const MvParams& p, int rpg, int ctas, size_t smem, gpuStream_t s) {
   if constexpr (NR <= 4) {
-    if (rpg == 2) launch_matvec<NR, 2>(p, int_dot, ctas, smem, s);
-    else launch_matvec<NR, 1>(p, int_dot, ctas, smem, s);
+    if (rpg == 2) launch_matvec<NR, 2>(p, ctas, smem, s);
+    else launch_matvec<NR, 1>(p, ctas, smem, s);
   } else {
-    if (rpg == 4) launch_matvec<NR, 4>(p, int_dot, ctas, smem, s);
-    else launch_matvec<NR, 2>(p, int_dot, ctas, smem, s);
+    if (rpg == 4) launch_matvec<NR, 4>(p, ctas, smem, s);
+    else launch_matvec<NR, 2>(p, ctas, smem, s);
   }
-}
-
-// The integer path (SPECD_GPU_INT=1 for every call, else LinearArgs::int_dot): NVIDIA, every
-// weight Q4_K.
-bool int_dot_on(const LinearArgs& a) {
-  static const bool env = env_value("SPECD_GPU_INT") == "1";
-  if (SPECD_HIP || !(a.int_dot || env)) return false;
-  for (int j = 0; j < a.n_w; ++j)
-    if (a.w[j]->type != GgmlType::Q4_K) return false;
-  return true;
 }
 
 // Largest tile of x rows (1, 2, 4, 8 or 16; SPECD_GPU_MAX_TILE lowers it, for benchmarks).
@@ -800,19 +575,13 @@ void linear(const LinearArgs& a, gpuStream_t s) {
   }
   SPECD_CHECK(ctas < (int64_t)1 << 31, "linear: too many output rows");
   SPECD_CHECK(a.n * K < (int64_t)1 << 31, "linear: x has more than 2^31 elements");
-  size_t smem = (size_t)kStages * kWarps * rpg * p.pitch;
-  const bool int_dot = int_dot_on(a);
-  if (int_dot) {  // the digit table after the staging buffers (stages of 1024: all Q4_K)
-    p.dig_off = (int32_t)smem;
-    p.chunk = (int32_t)std::min<int64_t>(int_chunk(nr), ceil_div(K, 1024) * 1024);
-    smem += int_smem(nr);
-  }
+  const size_t smem = (size_t)kStages * kWarps * rpg * p.pitch;
   switch (nr) {
-    case 1: launch_matvec<1>(p, int_dot, rpg, (int)ctas, smem, s); break;
-    case 2: launch_matvec<2>(p, int_dot, rpg, (int)ctas, smem, s); break;
-    case 4: launch_matvec<4>(p, int_dot, rpg, (int)ctas, smem, s); break;
-    case 8: launch_matvec<8>(p, int_dot, rpg, (int)ctas, smem, s); break;
-    default: launch_matvec<16>(p, int_dot, rpg, (int)ctas, smem, s); break;
+    case 1: launch_matvec<1>(p, rpg, (int)ctas, smem, s); break;
+    case 2: launch_matvec<2>(p, rpg, (int)ctas, smem, s); break;
+    case 4: launch_matvec<4>(p, rpg, (int)ctas, smem, s); break;
+    case 8: launch_matvec<8>(p, rpg, (int)ctas, smem, s); break;
+    default: launch_matvec<16>(p, rpg, (int)ctas, smem, s); break;
   }
 }
 
@@ -850,8 +619,7 @@ GpuWeight upload_weight(const WeightView& w, std::vector<DeviceBuffer>& keep) {
 }  // namespace
 
 void linear(const std::vector<WeightView>& ws, const std::vector<const float*>& biases, const float* x, int64_t n,
-            const float* norm_w, float eps, int32_t epilogue, float* y, int64_t ldy, bool tensor_cores,
-            bool int_dot) {
+            const float* norm_w, float eps, int32_t epilogue, float* y, int64_t ldy, bool tensor_cores) {
   SPECD_CHECK(!ws.empty() && ws.size() <= 3, "linear takes 1..3 weights");
   SPECD_CHECK(biases.size() == ws.size(), "give one bias (or null) per weight");
   SPECD_CHECK(n >= 1, "linear: n (rows of x) must be >= 1, got " + std::to_string(n));
@@ -882,7 +650,6 @@ void linear(const std::vector<WeightView>& ws, const std::vector<const float*>& 
   a.ldy = ldy;
   a.ep = static_cast<Epilogue>(epilogue);
   a.tensor_cores = tensor_cores;
-  a.int_dot = int_dot;
   int64_t rows = 0;  // room for the weights in fp16 too (the quantized prefill's path)
   for (const WeightView& w : ws) rows += w.n_out;
   if (const size_t wb = linear_work_bytes(n, K, rows)) {

@@ -19,10 +19,10 @@ std::string device_name(int device);
 
 // cuda/linear.cuh with host arrays. ws: 1..3 host weights; biases: same length as ws, each
 // null or [n_out_j]; x [n, K]; norm_w null or [K]; y [n, ldy] (read too for Accumulate);
-// tensor_cores, int_dot: LinearArgs's.
+// tensor_cores: LinearArgs's.
 void linear(const std::vector<WeightView>& ws, const std::vector<const float*>& biases, const float* x,
             int64_t n, const float* norm_w, float eps, int32_t epilogue, float* y, int64_t ldy,
-            bool tensor_cores = false, bool int_dot = false);
+            bool tensor_cores = false);
 void embed_rows(const WeightView& w, const int32_t* tokens, int64_t n, float* out);  // out [n, n_in]
 
 // cuda/norm.cuh
