@@ -8,6 +8,11 @@
 // ascending chunk order. So a query's output depends only on its position and the cache,
 // never on n or on the launch shape: BATCH-INVARIANT (bit-identical for decode and verify),
 // which lossless speculative decoding needs.
+//
+// Prefills (n > 64 queries) with an fp16 cache and head_dim 64 or 128 on NVIDIA sm_80+ take
+// another kernel instead (attention_tc.cu: FlashAttention-2 on tensor cores, q and the
+// softmax weights rounded to fp16, relative error ~1e-3, not batch-invariant; its rows only
+// feed that prefill). SPECD_GPU_FLASH=0 keeps every n on the kernels above (benchmarks).
 #pragma once
 #include <cstddef>
 #include <cstdint>

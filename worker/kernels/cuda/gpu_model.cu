@@ -270,6 +270,7 @@ class GpuModel final : public ForwardModel {
   // for quantized weights, the weights decoded to fp16 for a large prefill; not the output
   // head, which a prefill runs for one row).
   size_t linear_work_bytes(int64_t n) const {
+    if (n <= gpu::kMaxSmallBatch) return 0;  // (decode and verify: no workspace)
     const ModelConfig& c = config();
     auto rows_of = [](std::initializer_list<const GpuWeight*> ws) {
       int64_t r = 0;
