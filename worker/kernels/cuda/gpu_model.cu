@@ -78,7 +78,7 @@ struct Staging {
 class GpuKv final : public KvStore {
  public:
   GpuKv(int32_t n_layers, int64_t n_ctx, int64_t kv_dim, bool f16)
-      : n_layers_(n_layers), n_ctx_(n_ctx), kv_dim_(kv_dim), f16_(f16) {
+      : n_ctx_(n_ctx), f16_(f16) {
     const size_t elem = f16 ? 2 : 4;
     layer_bytes_ = (size_t)n_ctx * (size_t)kv_dim * elem;
     k_.resize(layer_bytes_ * (size_t)n_layers);
@@ -116,8 +116,7 @@ class GpuKv final : public KvStore {
   }
 
  private:
-  int32_t n_layers_;
-  int64_t n_ctx_, kv_dim_;
+  int64_t n_ctx_;
   bool f16_;
   size_t layer_bytes_ = 0;
   DeviceBuffer k_, v_, logits_;
