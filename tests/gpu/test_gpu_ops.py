@@ -351,6 +351,9 @@ def test_attention_prefill(rng, dtype, n, pos0, nh, nkv, hd):
     err = np.abs(out.reshape(n, nh, hd) - ref).max()
     print(f"prefill attention {dtype.__name__} {n=} {pos0=} {nh}/{nkv} {hd=}: max err {err:.3g} (tol {tol:.3g})")
     assert err <= tol
+    # and the CPU op (within 1.5x the float32 bound of the twin, test_attention): triangle
+    cpu = ops.attention(q3, k3, v3, pos0, scale)
+    assert np.abs(out.reshape(n, nh, hd) - cpu).max() <= tol + 1.5 * attention_tolerance(q3, k3, v3, pos0, scale)
     # causal: keys and values after query i's position change no bit of rows <= i
     i = n // 2
     k2, v2 = k.copy(), v.copy()
