@@ -12,9 +12,13 @@
 // weight rows (SwiGLU: 64 gate rows and the same 64 up rows, so that the epilogue has both),
 // stepping over K by 64 through a 3-stage ring of shared-memory tiles: cp.async copies the
 // x tile (and an F16 weight tile as stored) two steps ahead; other types are decoded to fp16
-// by the threads two steps ahead, after the current step's MMAs. 8 warps as 2 (M) x 4 (N),
-// each BM/2 x 32 outputs: ldmatrix.x4 fragments, mma.sync m16n8k16. Rows are padded to 72
-// halves, so ldmatrix reads are free of bank conflicts.
+// by the threads two steps ahead, after the current step's MMAs. From kDequantMinRows rows
+// of x, quantized weights are instead decoded to fp16 once per call into the workspace
+// (dequant_kernel) and copied like F16 (decoding per tile stalls every warp on its loads).
+// 8 warps as 2 (M) x 4 (N), each BM/2 x 32 outputs: ldmatrix.x4 fragments, mma.sync
+// m16n8k16. Rows are padded to 72 halves, so ldmatrix reads are free of bank conflicts. The
+// copies' sources and row bounds are computed once per thread (only k advances per step):
+// recomputing them each step cost 3x the instructions of the step's MMAs (H200: +17-21 %).
 //
 // wmma_kernel (HIP, pre-sm_80): BM = 128 by BN = 64, stepping over K by 128; per step the
 // CTA converts its x tile (16 float4 per thread) and decodes its W tile (4 pieces per thread)
