@@ -47,7 +47,7 @@ struct FlashParams {
   const __half* v;
   float* out;                // [n, n_heads * hd]
   const int32_t* d_pos0;
-  int32_t n, n_ctx, n_heads, group, ld_kv;
+  int32_t n, n_heads, group, ld_kv;
   float scale_log2;          // scale * log2(e)
 };
 
@@ -251,7 +251,7 @@ bool attention_prefill_tc(const AttnArgs& a, gpuStream_t s) {
   SPECD_CHECK((uintptr_t)a.q % 8 == 0 && (uintptr_t)a.out % 8 == 0 && (uintptr_t)a.k_cache % 16 == 0 &&
                   (uintptr_t)a.v_cache % 16 == 0,
               "attention: q and out must be 8-byte aligned, the caches 16-byte aligned");
-  SPECD_CHECK(a.n < (int64_t)1 << 31 && a.n_ctx < (int64_t)1 << 31, "attention: too many positions");
+  SPECD_CHECK(a.n < (int64_t)1 << 31, "attention: too many queries");  // (n_ctx: checked by attention())
   FlashParams p;
   p.q = a.q;
   p.k = static_cast<const __half*>(a.k_cache);
@@ -259,7 +259,6 @@ bool attention_prefill_tc(const AttnArgs& a, gpuStream_t s) {
   p.out = a.out;
   p.d_pos0 = a.d_pos0;
   p.n = (int32_t)a.n;
-  p.n_ctx = (int32_t)a.n_ctx;
   p.n_heads = a.n_heads;
   p.group = a.n_heads / a.n_kv_heads;
   p.ld_kv = a.n_kv_heads * a.head_dim;

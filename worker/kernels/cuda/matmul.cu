@@ -72,6 +72,20 @@ __device__ __forceinline__ void cta_weight(const MmParams& p, int bn, int& j, in
 // 128). The pieces of 64 consecutive elements (from a multiple of 64) are 8 consecutive
 // pieces of a row for every type but Q6_K, whose pieces pair elements 64 apart: there 128
 // elements are 16 pieces, and a 64-wide tile decodes all 16 and keeps the runs inside it.
+// Where piece q of a row starts (its first run; the second starts Dec<T>::kGap later), and
+// its 8 values in row o of w (quants.cuh).
+template <GgmlType T>
+__device__ __forceinline__ int64_t piece_pos(int64_t q) {
+  return q / Dec<T>::kPieces * Dec<T>::kElems + Dec<T>::pos((int)(q % Dec<T>::kPieces));
+}
+template <GgmlType T>
+__device__ __forceinline__ void decode_piece(const MmWeight& w, int64_t o, int64_t q, float (&v)[8]) {
+  using D = Dec<T>;
+  Piece pc;
+  D::load(w.data + (size_t)o * w.stride + q / D::kPieces * D::kBytes, (int)(q % D::kPieces), pc);
+  dequant<D::kForm>(pc, v);
+}
+
 template <GgmlType T, int bk, int ld, int unroll>
 __device__ __forceinline__ void decode_tile(const MmWeight& w, int64_t o0, int rows, int64_t k0, int64_t K,
                                             __half* dst) {
@@ -83,15 +97,9 @@ __device__ __forceinline__ void decode_tile(const MmWeight& w, int64_t o0, int r
   for (int i = threadIdx.x; i < rows * kPR; i += blockDim.x) {
     const int r = i / kPR;
     const int64_t o = o0 + r, q = k_span / 8 + i % kPR;
-    const int64_t blk = q / D::kPieces;
-    const int sub = (int)(q % D::kPieces);
-    const int64_t e = blk * D::kElems + D::pos(sub) - k0;  // the first run, relative to k0
+    const int64_t e = piece_pos<T>(q) - k0;  // the first run, relative to k0
     float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    if (o < w.n_out && q < K / 8) {
-      Piece pc;
-      D::load(w.data + (size_t)o * w.stride + blk * D::kBytes, sub, pc);
-      dequant<D::kForm>(pc, v);
-    }
+    if (o < w.n_out && q < K / 8) decode_piece<T>(w, o, q, v);
     __half* d = dst + r * ld;
     if (kSpan == bk || (e >= 0 && e < bk)) store_half4(d + e, v[0], v[1], v[2], v[3]);
     if (kSpan == bk || (e + D::kGap >= 0 && e + D::kGap < bk)) store_half4(d + e + D::kGap, v[4], v[5], v[6], v[7]);
@@ -310,18 +318,15 @@ __global__ void dequant_kernel(const MmWeight w, int64_t K, __half* __restrict__
   gpu_grid_wait();
   gpu_grid_launch_dependents();
   with_type(w.type, [&](auto tag) {
-    using D = Dec<decltype(tag)::value>;
+    constexpr GgmlType T = decltype(tag)::value;
     const int64_t per_row = K / 8, count = w.n_out * per_row, stride = (int64_t)gridDim.x * blockDim.x;
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += stride) {
-      const int64_t o = i / per_row, q = i % per_row, blk = q / D::kPieces;
-      const int sub = (int)(q % D::kPieces);
-      Piece pc;
-      D::load(w.data + (size_t)o * w.stride + blk * D::kBytes, sub, pc);
+      const int64_t o = i / per_row, q = i % per_row;
       float v[8];
-      dequant<D::kForm>(pc, v);
-      __half* d = dst + o * K + blk * D::kElems + D::pos(sub);
+      decode_piece<T>(w, o, q, v);
+      __half* d = dst + o * K + piece_pos<T>(q);
       store_half4(d, v[0], v[1], v[2], v[3]);
-      store_half4(d + D::kGap, v[4], v[5], v[6], v[7]);
+      store_half4(d + Dec<T>::kGap, v[4], v[5], v[6], v[7]);
     }
   });
 }
