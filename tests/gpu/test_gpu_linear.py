@@ -261,31 +261,29 @@ def swiglu_tol(g, u, bg, bu) -> np.ndarray:
     return 1.1 * np.abs(u) * bg + (np.abs(g) + 1e-30) * bu + 1e-5 * np.abs(y) + 1e-30
 
 
+def check_store_three(rng: np.random.Generator, n: int, n_in: int, specs) -> None:
+    """Three weights (type, n_out) stored side by side, biases on the first and the last,
+    against float64 within bound_for(n)."""
+    ws = [(t, random_weight(rng, t, m, n_in), m, n_in) for t, m in specs]
+    biases = [rng.standard_normal(specs[0][1], dtype=np.float32), None,
+              rng.standard_normal(specs[2][1], dtype=np.float32)]
+    x = rng.standard_normal((n, n_in), dtype=np.float32)
+    y = gpu(ws, biases, x)
+    assert y.shape == (n, sum(m for _, m in specs))
+    check_store(y, x, ws, biases, lambda x64, wf: bound_for(n, np.abs(x64), np.abs(wf)), f"n={n}")
+
+
 @pytest.mark.parametrize("n", [1, 4, 9, 64, 65, 200])
 def test_store_three_mixed_weights_with_biases(n: int, rng: np.random.Generator) -> None:
     # QKV-style: three weights of different types and sizes, outputs concatenated, two biases.
-    n_in = 512
-    specs = [(T.Q4_K, 96), (T.Q6_K, 33), (T.Q8_0, 65)]
-    ws = [(t, random_weight(rng, t, m, n_in), m, n_in) for t, m in specs]
-    biases = [rng.standard_normal(96, dtype=np.float32), None, rng.standard_normal(65, dtype=np.float32)]
-    x = rng.standard_normal((n, n_in), dtype=np.float32)
-    y = gpu(ws, biases, x)
-    assert y.shape == (n, 96 + 33 + 65)
-    check_store(y, x, ws, biases, lambda x64, wf: bound_for(n, np.abs(x64), np.abs(wf)), f"n={n}")
+    check_store_three(rng, n, 512, [(T.Q4_K, 96), (T.Q6_K, 33), (T.Q8_0, 65)])
 
 
 @pytest.mark.parametrize("n", [65, 300])
 def test_large_path_three_f16_weights(n: int, rng: np.random.Generator) -> None:
     # All weights F16: the large path copies them as stored (no decode). Output rows across
     # tile edges (128, 70, 200), K = 1000 (a partial last 64-wide step), two biases.
-    n_in = 1000
-    specs = [(T.F16, 128), (T.F16, 70), (T.F16, 200)]
-    ws = [(t, random_weight(rng, t, m, n_in), m, n_in) for t, m in specs]
-    biases = [rng.standard_normal(128, dtype=np.float32), None, rng.standard_normal(200, dtype=np.float32)]
-    x = rng.standard_normal((n, n_in), dtype=np.float32)
-    y = gpu(ws, biases, x)
-    assert y.shape == (n, 128 + 70 + 200)
-    check_store(y, x, ws, biases, lambda x64, wf: fp16_bound(np.abs(x64), np.abs(wf)), f"n={n}")
+    check_store_three(rng, n, 1000, [(T.F16, 128), (T.F16, 70), (T.F16, 200)])
 
 
 @pytest.mark.parametrize("n", [1, 3, 64, 65, 130])
