@@ -502,3 +502,21 @@ def test_tensor_core_staged_and_streamed_x_agree(qtype: T, rng: np.random.Genera
         alone = rows_alone(ws, [None], x, **kw)  # staged
         np.testing.assert_array_equal(gpu(ws, [None], x, **kw).view(np.uint32), alone.view(np.uint32))  # streamed
         np.testing.assert_array_equal(gpu(ws, [None], x[2:6], **kw).view(np.uint32), alone[2:6].view(np.uint32))
+
+
+@pytest.mark.parametrize("n", [1, 7, 20, 64])
+def test_tensor_core_many_tiles_per_cta(n: int, rng: np.random.Generator) -> None:
+    # 9,600 rows of three types side by side (300 tiles of 32 rows, more than the CTAs that fit
+    # an H200 at once): persistent CTAs take several tiles, of different types, through one
+    # ring of weight stages. Against float64, and each row of x computed alone gives the same
+    # bits. (Quantized types take the tensor cores with SPECD_GPU_TC=all, the CUDA cores
+    # otherwise: both must hold.)
+    n_in = 512
+    specs = [(T.Q4_K, 4000), (T.Q6_K, 2400), (T.Q8_0, 3200)]
+    ws = [(t, random_weight(rng, t, m, n_in), m, n_in) for t, m in specs]
+    biases = [rng.standard_normal(4000, dtype=np.float32), None, None]
+    x = (rng.standard_normal((n, n_in)) * 10.0 ** rng.uniform(-3, 3, (n, 1))).astype(np.float32)
+    y = gpu(ws, biases, x, tensor_cores=True)
+    check_store(y, x, ws, biases, lambda x64, wf: small_bound(np.abs(x64), np.abs(wf), 4), f"tiles n={n}")
+    alone = rows_alone(ws, biases, x[:3], tensor_cores=True)
+    np.testing.assert_array_equal(y[:3].view(np.uint32), alone.view(np.uint32))

@@ -11,7 +11,7 @@
 //    chosen by LinearArgs::tensor_cores, the weight types and the device (never by n):
 //    tensor cores when asked and every weight is F16 (with SPECD_GPU_TC=all also Q8_0, Q4_K,
 //    Q6_K) on NVIDIA sm_80+ (matvec_tc.cu: x split into two fp16 halves, exact weights,
-//    float32 MMA accumulation; a verify of 16 positions costs ~1.6 decode steps), else
+//    float32 MMA accumulation; a verify of 16 positions costs ~2 decode steps), else
 //    float32 FMAs on the CUDA cores (matvec.cu).
 //  * n > kMaxSmallBatch (prefill): a GEMM on tensor cores, fp16 x fp16 -> fp32 accumulate,
 //    with tiles of W decoded to fp16 in shared memory (F16 weights copied as stored). On
@@ -50,8 +50,8 @@ struct LinearArgs {
   int64_t ldy = 0;               // >= total output columns of the epilogue
   Epilogue ep = Epilogue::Store;
   // Small path on tensor cores (matvec_tc.cu) where the weights' types have a reader there:
-  // a verify of k+1 positions costs about one decode step, one decode step ~15 % more than on
-  // the CUDA cores (H200). Batch invariance holds within one choice: a model makes it once.
+  // a verify of 4 positions costs ~1.2-1.4 decode steps, 16 ~2, but one decode step is 10-22 %
+  // slower than on the CUDA cores for F16 (H200, 2026-11-30). Batch invariance holds within one choice: a model makes it once.
   // SPECD_GPU_TC overrides it for benchmarks: "0" never, "f16" F16 always, "all" also Q8_0,
   // Q4_K, Q6_K always.
   bool tensor_cores = false;

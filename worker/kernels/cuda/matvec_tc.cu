@@ -28,22 +28,33 @@
 // in, or on the launch shape (rows per CTA): a row's result is bit-identical whatever else
 // is computed with it (the tests check this on the device).
 //
-// Fragments: a lane (g = lane / 4, c = lane % 4) loads 16 bytes of weight rows g and g + 8
-// of its m-tile, elements 32u + 8c .. 32u + 8c + 7 (coalesced: a row's 64 bytes per unit
-// come from its 4 lanes), and the same 8 positions of x row g of each n-tile (8 rows of x).
-// A dot product does not care in which order its k are summed as long as A and B agree, so
-// these 8 elements are the lane's k-slots of two MMAs: elements 0-1 and 2-3 are slots
-// (2c, 2c+1) and (2c+8, 2c+9) of the first MMA, 4-5 and 6-7 those of the second.
+// Fragments: a lane (g = lane / 4, c = lane % 4) reads weight rows g and g + 8 of its m-tile
+// at the unit's elements 4c .. 4c + 3 and 16 + 4c .. 16 + 4c + 3 (x_off), and the same 8
+// positions of x row g of each n-tile (8 rows of x). A dot product does not care in which
+// order its k are summed as long as A and B agree, so these 8 elements are the lane's k-slots
+// of two MMAs: MMA h holds the unit's elements 16h .. 16h + 15 (Q6_K's 16-element scales),
+// elements 0-1 and 2-3 of each 4 in slots (2c, 2c+1) and (2c+8, 2c+9).
 //
-// CTA: 8 warps share 16 * MT weight rows (MT m-tiles of 16; SwiGLU: 8 gate rows over the
-// same 8 up rows per m-tile) and all n <= 8 * NT rows of x, splitting K by units as above;
-// their partial sums meet in shared memory. Each CTA computes f_r for every row of x itself
-// (a warp per row, lanes over K, fixed butterfly order: the same in every CTA). Where n rows
-// of converted x fit in 96 KiB of shared memory (one decode row up to K ~ 23k), the CTA
-// converts them once before the K loop (x_frag, 128 bytes per row and unit) and the warps
-// read their B fragments from there; otherwise each warp converts its units' x as it goes.
-// Same arithmetic either way (rounded operations only), so the choice changes no bit: the
-// H200 gave +3-15 % on one decode step from it (2026-11-30).
+// Tiles and CTAs: a tile is 16 * MT weight rows (MT m-tiles of 16; SwiGLU: 8 gate rows over
+// the same 8 up rows per m-tile) times all n <= 8 * NT rows of x; its 8 warps split K by
+// units as above, and their partial sums meet in shared memory. The CTAs are persistent (as
+// many as fit the device at once, CTA b takes tiles b, b + grid, ...): they stream their
+// tiles' weight bytes through one ring of 3 shared-memory stages (cp.async, ~0.5 KiB per row
+// and stage, two stages in flight, the ring running on across tile boundaries), and prepare
+// x once: f_r for every row (K cut into clamp(K / 1024, 1, 8) slices, each summed by one warp
+// in a fixed butterfly order, the slices added in order: it depends on K only), and, where n
+// rows of converted x fit in 96 KiB of shared memory (one decode row up to K ~ 23k), the
+// B fragments (x_frag, 128 bytes per row and unit); otherwise each warp converts its units'
+// x as it goes. Same arithmetic either way (rounded operations only), so the choice changes
+// no bit.
+//
+// History (H200, 8B Q4_K_M with SPECD_GPU_TC=all): reading each lane's 4- and 16-byte pieces
+// straight from global memory a unit ahead kept too few bytes in flight (one step 9.1 ms);
+// staging the rows through shared memory gave 7.2 ms, persistent CTAs 6.5 ms (CUDA cores:
+// 5.0 ms). What limits it now is instructions (ncu: ~360 per warp and unit of 16 * MT rows,
+// most of them decoding the per-row scales, which each of a row's 4 lanes repeats), not the
+// MMAs (tensor pipe 4-8 % busy) or the bytes.
+#include <algorithm>
 #include <cstdlib>
 #include <mutex>
 #include <string>
@@ -69,6 +80,10 @@ struct TcParams : LinParams {
   // the unit sums) before the K loop; 0: every warp converts the x of its units as it goes.
   // Same arithmetic either way (x_frag), so the choice never changes a result.
   int32_t xstage = 0;
+  int32_t n_tiles = 0;  // tiles of 16 * MT weight rows (the old CTAs; cta0 counts them)
+  int32_t pitch = 0;    // shared bytes of a staged row: the widest of the call's types
+  int32_t red_off = 0;  // shared-memory offsets of the partial sums and the staged x
+  int32_t xst_off = 0;
 };
 
 // Shared-memory staging of x (xstage): per row, K/32 units of 128 bytes (lane c's 4 hi then 4
@@ -79,6 +94,28 @@ __host__ __device__ constexpr size_t xstage_bytes(int64_t n, int64_t n_units) {
   return (size_t)(n * xstage_pitch(n_units) + 4 * n * n_units);
 }
 constexpr size_t kXStageMax = 96 << 10;  // largest staging buffer (2 CTAs per SM still fit)
+
+// ---- weight staging: the CTA copies the bytes of its 16 * MT weight rows into shared memory
+// (cp.async, kStages buffers, two stages in flight while one is read), stage_units(T) units of
+// K per stage: ~0.5 KiB per row, so a CTA has ~30 KiB in flight. Read straight from global
+// memory a unit at a time, the quantized rows had too few bytes in flight to reach the
+// bandwidth (small loads, one unit ahead).
+constexpr int kStages = 3;
+// K units per stage (a multiple of 8: stages start at super-block boundaries).
+__host__ __device__ constexpr int stage_units(GgmlType t) {
+  return t == GgmlType::F16 ? 8 : t == GgmlType::Q4_K ? 32 : 16;
+}
+// bytes of 8 units (256 elements) of a row
+__host__ __device__ constexpr int unit8_bytes(GgmlType t) {
+  return t == GgmlType::F16 ? 512 : t == GgmlType::Q8_0 ? 272 : t == GgmlType::Q4_K ? 144 : 210;
+}
+// bytes of a row's `units` units (a multiple of 8 for the K-quants, whose K is a multiple of 256)
+__host__ __device__ constexpr int64_t units_bytes(GgmlType t, int64_t units) { return units * unit8_bytes(t) / 8; }
+// shared bytes of a staged row: one spare 16-byte chunk, as a copy starts at the 16-byte
+// boundary below the row's bytes
+__host__ __device__ constexpr int stage_pitch(GgmlType t) {
+  return 16 * ((int)(units_bytes(t, stage_units(t)) + 15) / 16 + 1);
+}
 
 #if SPECD_MMA
 __device__ __forceinline__ uint32_t pack_half2(__half a, __half b) {
@@ -135,7 +172,8 @@ __device__ __forceinline__ void nw_frag(const TcParams& p, int64_t k0, const int
 }
 
 // ---- per-type readers of one unit (32 elements of K) of one weight row, for lane c.
-// fetch(): the bytes (all global loads, so they can be issued a unit ahead); frag(): the
+// fetch(): the bytes (from the staged row: `row` is where the stage's bytes start, u the unit
+// within the stage); frag(): the
 // lane's 8 weights, or small integers q, as fp16 pairs in MMA order (a[0], a[1]: slots
 // (2c, 2c+1) and (2c+8, 2c+9) of the unit's first MMA; a[2], a[3]: its second), and for
 // quantized types the scale of each MMA's 16 elements (w = s q) and the unit's offset
@@ -150,9 +188,10 @@ __device__ __forceinline__ uint32_t h2_sub(uint32_t a, float bias) {
   const __half2 r = __hsub2(*reinterpret_cast<const __half2*>(&a), __float2half2_rn(bias));
   return *reinterpret_cast<const uint32_t*>(&r);
 }
-__device__ __forceinline__ uint32_t ldg16(const uint8_t* p) { return __ldg(reinterpret_cast<const unsigned short*>(p)); }
-__device__ __forceinline__ uint32_t ldg32(const uint8_t* p) { return __ldg(reinterpret_cast<const unsigned*>(p)); }
-__device__ __forceinline__ uint32_t ldg32_a2(const uint8_t* p) { return __byte_perm(ldg16(p), ldg16(p + 2), 0x5410); }
+
+// The lane's elements of MMA h in every unit: 4 consecutive k at 32u + x_off(c, h), so that
+// MMA h holds the unit's 16 elements 16h .. 16h + 15 (Q6_K's 16-element scales).
+__device__ __forceinline__ int x_off(int c, int h) { return 4 * c + 16 * h; }
 
 template <GgmlType T>
 struct TcRow;
@@ -160,13 +199,13 @@ struct TcRow;
 template <>
 struct TcRow<GgmlType::F16> {  // 8 halves, no scale
   static constexpr bool kScaled = false, kAffine = false;
-  struct Raw { uint4 v; };
-  __device__ static int x_off(int c, int h) { return 8 * c + 4 * h; }
-  __device__ static void fetch(const uint8_t* row, int64_t u, int c, Raw& r) {
-    r.v = __ldg(reinterpret_cast<const uint4*>(row + 64 * (size_t)u + 16 * c));
+  struct Raw { uint2 lo, hi; };
+  __device__ static void fetch(const uint8_t* row, int u, int c, Raw& r) {
+    r.lo = *reinterpret_cast<const uint2*>(row + 64 * u + 8 * c);
+    r.hi = *reinterpret_cast<const uint2*>(row + 64 * u + 32 + 8 * c);
   }
   __device__ static void frag(const Raw& r, int64_t, uint32_t (&a)[4], float (&s)[2], float& m) {
-    a[0] = r.v.x; a[1] = r.v.y; a[2] = r.v.z; a[3] = r.v.w;
+    a[0] = r.lo.x; a[1] = r.lo.y; a[2] = r.hi.x; a[3] = r.hi.y;
     s[0] = s[1] = 1.f;
     m = 0.f;
   }
@@ -176,12 +215,11 @@ template <>
 struct TcRow<GgmlType::Q8_0> {  // {d; q[32] int8}: w = d q
   static constexpr bool kScaled = true, kAffine = false;
   struct Raw { uint32_t q0, q1, d; };
-  __device__ static int x_off(int c, int h) { return 8 * c + 4 * h; }
-  __device__ static void fetch(const uint8_t* row, int64_t u, int c, Raw& r) {
-    const uint8_t* b = row + 34 * (size_t)u;
-    r.d = ldg16(b);
-    r.q0 = ldg32_a2(b + 2 + 8 * c);
-    r.q1 = ldg32_a2(b + 6 + 8 * c);
+  __device__ static void fetch(const uint8_t* row, int u, int c, Raw& r) {
+    const uint8_t* b = row + 34 * u;
+    r.d = ld_u16(b);
+    r.q0 = ld_u32_a2(b + 2 + 4 * c);
+    r.q1 = ld_u32_a2(b + 18 + 4 * c);
   }
   __device__ static void frag(const Raw& r, int64_t, uint32_t (&a)[4], float (&s)[2], float& m) {
     const uint32_t q0 = r.q0 ^ 0x80808080u, q1 = r.q1 ^ 0x80808080u;  // q + 128
@@ -198,16 +236,15 @@ template <>
 struct TcRow<GgmlType::Q4_K> {  // unit u = sub-block u % 8 of super-block u / 8
   static constexpr bool kScaled = true, kAffine = true;
   struct Raw { uint32_t dd, lo, mid, hi, q0, q1; };
-  __device__ static int x_off(int c, int h) { return 8 * c + 4 * h; }
-  __device__ static void fetch(const uint8_t* row, int64_t u, int c, Raw& r) {
-    const uint8_t* b = row + 144 * (size_t)(u / 8);
-    const int j = (int)(u % 8), p = 2 * ((j / 2) & 1);
-    r.dd = ldg32(b);
-    r.lo = ldg16(b + 4 + p);
-    r.mid = ldg16(b + 8 + p);
-    r.hi = ldg16(b + 12 + p);
-    r.q0 = ldg32(b + 16 + 32 * (j / 2) + 8 * c);
-    r.q1 = ldg32(b + 20 + 32 * (j / 2) + 8 * c);
+  __device__ static void fetch(const uint8_t* row, int u, int c, Raw& r) {
+    const uint8_t* b = row + 144 * (u / 8);
+    const int j = u % 8, p = 2 * ((j / 2) & 1);
+    r.dd = ld_u32(b);
+    r.lo = ld_u16(b + 4 + p);
+    r.mid = ld_u16(b + 8 + p);
+    r.hi = ld_u16(b + 12 + p);
+    r.q0 = ld_u32(b + 16 + 32 * (j / 2) + 4 * c);
+    r.q1 = ld_u32(b + 32 + 32 * (j / 2) + 4 * c);
   }
   __device__ static void frag(const Raw& r, int64_t u, uint32_t (&a)[4], float (&s)[2], float& m) {
     const int j = (int)(u % 8), g = j / 2;
@@ -232,17 +269,16 @@ template <>
 struct TcRow<GgmlType::Q6_K> {  // unit u: l = 0..31 of quarter u % 4 of half (u % 8) / 4; two 16-element scales
   static constexpr bool kScaled = true, kAffine = false;
   struct Raw { uint32_t la, lb, ha, hb, sc, d; };
-  __device__ static int x_off(int c, int h) { return 4 * c + 16 * h; }
-  __device__ static void fetch(const uint8_t* row, int64_t u, int c, Raw& r) {
-    const uint8_t* b = row + 210 * (size_t)(u / 8);
-    const int j = (int)(u % 8), hf = j / 4, qt = j % 4;
+  __device__ static void fetch(const uint8_t* row, int u, int c, Raw& r) {
+    const uint8_t* b = row + 210 * (u / 8);
+    const int j = u % 8, hf = j / 4, qt = j % 4;
     const uint8_t* ql = b + 64 * hf + 32 * (qt & 1) + 4 * c;
-    r.la = ldg32_a2(ql);
-    r.lb = ldg32_a2(ql + 16);
-    r.ha = ldg32_a2(b + 128 + 32 * hf + 4 * c);
-    r.hb = ldg32_a2(b + 128 + 32 * hf + 16 + 4 * c);
-    r.sc = ldg16(b + 192 + 8 * hf + 2 * qt);
-    r.d = ldg16(b + 208);
+    r.la = ld_u32_a2(ql);
+    r.lb = ld_u32_a2(ql + 16);
+    r.ha = ld_u32_a2(b + 128 + 32 * hf + 4 * c);
+    r.hb = ld_u32_a2(b + 128 + 32 * hf + 16 + 4 * c);
+    r.sc = ld_u16(b + 192 + 8 * hf + 2 * qt);
+    r.d = ld_u16(b + 208);
   }
   __device__ static void frag(const Raw& r, int64_t u, uint32_t (&a)[4], float (&s)[2], float& m) {
     const int qt = (int)(u % 4), ns = 4 * (qt >> 1), hs = 2 * qt;
@@ -261,89 +297,54 @@ struct TcRow<GgmlType::Q6_K> {  // unit u: l = 0..31 of quarter u % 4 of half (u
 #endif
 
 #if SPECD_MMA
-// The CTA's work for weights of type T (every weight of this CTA has it).
-template <GgmlType T, int MT, int NT>
-__device__ __forceinline__ void tc_body(const TcParams& p, const TcWeight& w0, int64_t o0, float* red, float* fac,
-                                        float* unscale, uint8_t* xst) {
+// A tile: 16 * MT weight rows of one weight (SwiGLU: 8 * MT gate rows over the same up rows).
+struct Tile {
+  const TcWeight* w0;  // its weight (SwiGLU: the gate)
+  int64_t o0;          // first output row
+};
+__device__ __forceinline__ Tile tile_at(const TcParams& p, int t, int rows) {
+  if (p.ep == Epilogue::SwiGLU) return Tile{&p.w[0], (int64_t)t * (rows / 2)};
+  const TcWeight* w = &p.w[0];
+  if (p.n_w > 1 && t >= p.w[1].cta0) w = &p.w[1];
+  if (p.n_w > 2 && t >= p.w[2].cta0) w = &p.w[2];
+  return Tile{w, (int64_t)(t - w->cta0) * rows};
+}
+// Row slot i (= 16 mt + 8 h + g) of a tile: the weight row that the lanes g read as rp[mt][h]
+// (clamped to the weight; the results of clamped rows are dropped), and its weight.
+__device__ __forceinline__ const uint8_t* slot_row(const TcParams& p, const Tile& tl, int i, const TcWeight*& w) {
+  const int mt = i / 16, h = (i / 8) & 1, gg = i % 8;
+  const bool swiglu = p.ep == Epilogue::SwiGLU;
+  w = swiglu && h ? &p.w[1] : tl.w0;
+  const int64_t o = swiglu ? tl.o0 + 8 * mt + gg : tl.o0 + 16 * mt + 8 * h + gg;
+  return w->data + (size_t)min(o, w->n_out - 1) * w->stride;
+}
+__device__ __forceinline__ int64_t stages_of(GgmlType t, int64_t n_units) {
+  return (n_units + stage_units(t) - 1) / stage_units(t);
+}
+
+// The K loop of one tile of weights of type T: stages q0 .. q0 + n_st - 1 of the CTA's ring,
+// then the warps' partial sums into red. issue() copies the ring's next stage (whatever tile it
+// belongs to) and must run once per stage consumed.
+template <GgmlType T, int MT, int NT, class Issue>
+__device__ __forceinline__ void tile_body(const TcParams& p, const Tile& tl, int64_t& q, Issue&& issue,
+                                          const uint8_t* stg, int pitch, float* red, const float* fac,
+                                          const uint8_t* xst) {
   using R = TcRow<T>;
   const int lane = threadIdx.x % kGroup, warp = threadIdx.x / kGroup, g = lane / 4, c = lane % 4;
-  const int64_t K = p.K, n = p.n;
-  const bool swiglu = p.ep == Epilogue::SwiGLU;
-  constexpr int kRows = 16 * MT, kCols = 8 * NT;
-  const int xo[2] = {R::x_off(c, 0), R::x_off(c, 1)};
-
-  // the lane's rows g and g + 8 of each m-tile (SwiGLU: gate row, up row)
-  const uint8_t* rp[MT][2];
+  const int64_t K = p.K, n = p.n, n_units = K / kUnit;
+  constexpr int kRows = 16 * MT, kCols = 8 * NT, kUps = stage_units(T);
+  constexpr int64_t kSb = units_bytes(T, kUps);
+  const int xo[2] = {x_off(c, 0), x_off(c, 1)};
+  const uint8_t* rp[MT][2];  // the lane's rows g and g + 8 of each m-tile (SwiGLU: gate row, up row)
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const TcWeight& w = swiglu && h ? p.w[1] : w0;
-      const int64_t o = swiglu ? o0 + 8 * mt + g : o0 + 16 * mt + 8 * h + g;
-      rp[mt][h] = w.data + (size_t)min(o, w.n_out - 1) * w.stride;  // clamped; dropped at the end
+      const TcWeight* w;
+      rp[mt][h] = slot_row(p, tl, 16 * mt + 8 * h + g, w);
     }
-  const int64_t n_units = K / kUnit;
-  // the first unit's weights: immutable, loaded before waiting for the previous kernel
-  typename R::Raw raw[MT][2];
-  if (warp < n_units) {
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) R::fetch(rp[mt][h], warp, c, raw[mt][h]);
-  }
-
-  gpu_grid_wait();
-  gpu_grid_launch_dependents();
-
-  // f_r and 1/s_r of every row of x: warp r % 8 takes row r (fixed order: lanes over K in
-  // float4 steps, then the butterfly)
-  for (int64_t r = warp; r < n; r += kWarps) {
-    const float* xr = p.x + r * K;
-    float ss = 0.f, mx = 0.f;
-    for (int64_t k = 4 * lane; k < K; k += 4 * kGroup) {
-      const float4 v = __ldg(reinterpret_cast<const float4*>(xr + k));
-      float4 nw = make_float4(1.f, 1.f, 1.f, 1.f);
-      if (p.norm_w != nullptr) nw = __ldg(reinterpret_cast<const float4*>(p.norm_w + k));
-      ss = add_squares(v, ss);
-      mx = max_abs_prod(v, nw, mx);
-    }
-    ss = group_sum(ss);
-    mx = group_max(mx);
-    const float inv = p.norm_w != nullptr ? rsqrtf(ss / (float)K + p.eps) : 1.f;
-    const float sc = pow2_range_scale(mx * inv, 14);  // the largest |v| in [2^14, 2^15): fp16's range
-    if (lane == 0) {
-      fac[r] = inv * sc;
-      unscale[r] = 1.f / sc;
-    }
-  }
-  __syncthreads();
-
-  // staged x: every (row, unit) converted once, 8 per warp at a time (lane g's pair, lane c's
-  // 8 elements), with the unit sums' butterfly of the streaming path below
-  const int64_t pitch = xstage_pitch(n_units);
-  float* xsum = reinterpret_cast<float*>(xst + n * pitch);
-  if (p.xstage) {
-    const int64_t pairs = n * n_units;
-    for (int64_t q0 = (int64_t)warp * 8; q0 < pairs; q0 += kWarps * 8) {  // warp-uniform
-      const int64_t q = q0 + g;
-      const bool ok = q < pairs;
-      const int64_t r = ok ? q / n_units : n, u = ok ? q % n_units : 0;
-      float nw[8];
-      nw_frag(p, kUnit * u, xo, nw);
-      uint32_t bh[4], bl[4];
-      float sum;
-      x_frag(p, r, kUnit * u, xo, ok ? fac[r] : 0.f, nw, bh, bl, sum);
-      sum += gpu_shfl_xor(sum, 1);
-      sum += gpu_shfl_xor(sum, 2);
-      if (ok) {
-        uint8_t* dst = xst + r * pitch + 128 * u + 32 * c;
-        *reinterpret_cast<uint4*>(dst) = make_uint4(bh[0], bh[1], bh[2], bh[3]);
-        *reinterpret_cast<uint4*>(dst + 16) = make_uint4(bl[0], bl[1], bl[2], bl[3]);
-        if (c == 0) xsum[r * n_units + u] = sum;
-      }
-    }
-    __syncthreads();
-  }
+  const int64_t xpitch = xstage_pitch(n_units);
+  const float* xsum = reinterpret_cast<const float*>(xst + n * xpitch);
 
   float acc[MT][NT][4];
 #pragma unroll
@@ -353,98 +354,103 @@ __device__ __forceinline__ void tc_body(const TcParams& p, const TcWeight& w0, i
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[mt][t][i] = 0.f;
 
-  for (int64_t u = warp; u < n_units; u += kWarps) {
-    // next unit's weights in flight while this one is used
-    typename R::Raw nxt[MT][2];
-    const int64_t un = u + kWarps;
-    if (un < n_units) {
+  const int64_t n_st = stages_of(T, n_units);
+  for (int64_t st = 0; st < n_st; ++st, ++q) {
+    cp_async_wait<kStages - 2>();  // ring stage q has landed (this thread's copies)
+    __syncthreads();               // ... everyone's; and stage q - 1's buffer is free again
+    issue();
+    const uint8_t* buf = stg + (size_t)(q % kStages) * kRows * pitch;
+    // warp w: units w, w + 8, ... of the stage (so over the stages w, w + 8, w + 16, ... of K)
+#pragma unroll
+    for (int i = 0; i < kUps / kWarps; ++i) {
+      const int ul = warp + kWarps * i;
+      const int64_t u = st * kUps + ul;
+      if (u >= n_units) break;
+      typename R::Raw raw[MT][2];
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) R::fetch(rp[mt][h], un, c, nxt[mt][h]);
-    }
-    // B fragments of every n-tile: x row 8t + g at the lane's elements of MMA 0 and 1; for
-    // Q4_K also the unit's sum of the scaled x of the rows in this lane's C columns
-    const int64_t k0 = kUnit * u;
-    uint32_t bh[NT][4], bl[NT][4];
-    float xs[NT][2];  // Q4_K: sum over the unit of the scaled x of rows 8t + 2c and 8t + 2c + 1
-    if (p.xstage) {
-#pragma unroll
-      for (int t = 0; t < NT; ++t) {
-        const int64_t r = 8 * t + g;
-        uint4 a = make_uint4(0u, 0u, 0u, 0u), b = a;
-        if (r < n) {
-          const uint8_t* src = xst + r * pitch + 128 * u + 32 * c;
-          a = *reinterpret_cast<const uint4*>(src);
-          b = *reinterpret_cast<const uint4*>(src + 16);
+        for (int h = 0; h < 2; ++h) {
+          const uint8_t* start = rp[mt][h] + st * kSb;
+          R::fetch(buf + (16 * mt + 8 * h + g) * pitch + ((uintptr_t)start & 15), ul, c, raw[mt][h]);
         }
-        bh[t][0] = a.x; bh[t][1] = a.y; bh[t][2] = a.z; bh[t][3] = a.w;
-        bl[t][0] = b.x; bl[t][1] = b.y; bl[t][2] = b.z; bl[t][3] = b.w;
-        if constexpr (R::kAffine) {
-          const int64_t r0 = 8 * t + 2 * c;
-          xs[t][0] = r0 < n ? xsum[r0 * n_units + u] : 0.f;
-          xs[t][1] = r0 + 1 < n ? xsum[(r0 + 1) * n_units + u] : 0.f;
-        }
-      }
-    } else {
-      float nw[8];
-      nw_frag(p, k0, xo, nw);
+      // B fragments of every n-tile: x row 8t + g at the lane's elements of MMA 0 and 1; for
+      // Q4_K also the unit's sum of the scaled x of the rows in this lane's C columns
+      const int64_t k0 = kUnit * u;
+      uint32_t bh[NT][4], bl[NT][4];
+      float xs[NT][2];  // Q4_K: sum over the unit of the scaled x of rows 8t + 2c and 8t + 2c + 1
+      if (p.xstage) {
 #pragma unroll
-      for (int t = 0; t < NT; ++t) {
-        const int64_t r = 8 * t + g;
-        float sum;
-        x_frag(p, r, k0, xo, r < n ? fac[r] : 0.f, nw, bh[t], bl[t], sum);
-        if constexpr (R::kAffine) {
-          sum += gpu_shfl_xor(sum, 1);  // the 4 lanes of row g: fixed butterfly
-          sum += gpu_shfl_xor(sum, 2);
-          xs[t][0] = __shfl_sync(0xffffffffu, sum, 4 * (2 * c));
-          xs[t][1] = __shfl_sync(0xffffffffu, sum, 4 * (2 * c + 1));
-        }
-      }
-    }
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      uint32_t a0[4], a1[4];
-      float s0[2], s1[2], m0, m1;
-      R::frag(raw[mt][0], u, a0, s0, m0);  // row g
-      R::frag(raw[mt][1], u, a1, s1, m1);  // row g + 8
-#pragma unroll
-      for (int t = 0; t < NT; ++t) {
-        if constexpr (!R::kScaled) {
-          mma16816(acc[mt][t], a0[0], a1[0], a0[1], a1[1], bh[t][0], bh[t][1]);
-          mma16816(acc[mt][t], a0[0], a1[0], a0[1], a1[1], bl[t][0], bl[t][1]);
-          mma16816(acc[mt][t], a0[2], a1[2], a0[3], a1[3], bh[t][2], bh[t][3]);
-          mma16816(acc[mt][t], a0[2], a1[2], a0[3], a1[3], bl[t][2], bl[t][3]);
-        } else {
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {  // q.x of MMA h's 16 elements, then its scale
-            float d[4] = {0.f, 0.f, 0.f, 0.f};
-            mma16816(d, a0[2 * h], a1[2 * h], a0[2 * h + 1], a1[2 * h + 1], bh[t][2 * h], bh[t][2 * h + 1]);
-            mma16816(d, a0[2 * h], a1[2 * h], a0[2 * h + 1], a1[2 * h + 1], bl[t][2 * h], bl[t][2 * h + 1]);
-            acc[mt][t][0] = fmaf(s0[h], d[0], acc[mt][t][0]);
-            acc[mt][t][1] = fmaf(s0[h], d[1], acc[mt][t][1]);
-            acc[mt][t][2] = fmaf(s1[h], d[2], acc[mt][t][2]);
-            acc[mt][t][3] = fmaf(s1[h], d[3], acc[mt][t][3]);
+        for (int t = 0; t < NT; ++t) {
+          const int64_t r = 8 * t + g;
+          uint4 a = make_uint4(0u, 0u, 0u, 0u), b = a;
+          if (r < n) {
+            const uint8_t* src = xst + r * xpitch + 128 * u + 32 * c;
+            a = *reinterpret_cast<const uint4*>(src);
+            b = *reinterpret_cast<const uint4*>(src + 16);
           }
+          bh[t][0] = a.x; bh[t][1] = a.y; bh[t][2] = a.z; bh[t][3] = a.w;
+          bl[t][0] = b.x; bl[t][1] = b.y; bl[t][2] = b.z; bl[t][3] = b.w;
           if constexpr (R::kAffine) {
-            acc[mt][t][0] = fmaf(m0, xs[t][0], acc[mt][t][0]);
-            acc[mt][t][1] = fmaf(m0, xs[t][1], acc[mt][t][1]);
-            acc[mt][t][2] = fmaf(m1, xs[t][0], acc[mt][t][2]);
-            acc[mt][t][3] = fmaf(m1, xs[t][1], acc[mt][t][3]);
+            const int64_t r0 = 8 * t + 2 * c;
+            xs[t][0] = r0 < n ? xsum[r0 * n_units + u] : 0.f;
+            xs[t][1] = r0 + 1 < n ? xsum[(r0 + 1) * n_units + u] : 0.f;
+          }
+        }
+      } else {
+        float nw[8];
+        nw_frag(p, k0, xo, nw);
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+          const int64_t r = 8 * t + g;
+          float sum;
+          x_frag(p, r, k0, xo, r < n ? fac[r] : 0.f, nw, bh[t], bl[t], sum);
+          if constexpr (R::kAffine) {
+            sum += gpu_shfl_xor(sum, 1);  // the 4 lanes of row g: fixed butterfly
+            sum += gpu_shfl_xor(sum, 2);
+            xs[t][0] = __shfl_sync(0xffffffffu, sum, 4 * (2 * c));
+            xs[t][1] = __shfl_sync(0xffffffffu, sum, 4 * (2 * c + 1));
           }
         }
       }
-    }
-    if (un < n_units) {
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
+      for (int mt = 0; mt < MT; ++mt) {
+        uint32_t a0[4], a1[4];
+        float s0[2], s1[2], m0, m1;
+        R::frag(raw[mt][0], u, a0, s0, m0);  // row g
+        R::frag(raw[mt][1], u, a1, s1, m1);  // row g + 8
 #pragma unroll
-        for (int h = 0; h < 2; ++h) raw[mt][h] = nxt[mt][h];
+        for (int t = 0; t < NT; ++t) {
+          if constexpr (!R::kScaled) {
+            mma16816(acc[mt][t], a0[0], a1[0], a0[1], a1[1], bh[t][0], bh[t][1]);
+            mma16816(acc[mt][t], a0[0], a1[0], a0[1], a1[1], bl[t][0], bl[t][1]);
+            mma16816(acc[mt][t], a0[2], a1[2], a0[3], a1[3], bh[t][2], bh[t][3]);
+            mma16816(acc[mt][t], a0[2], a1[2], a0[3], a1[3], bl[t][2], bl[t][3]);
+          } else {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {  // q.x of MMA h's 16 elements, then its scale
+              float d[4] = {0.f, 0.f, 0.f, 0.f};
+              mma16816(d, a0[2 * h], a1[2 * h], a0[2 * h + 1], a1[2 * h + 1], bh[t][2 * h], bh[t][2 * h + 1]);
+              mma16816(d, a0[2 * h], a1[2 * h], a0[2 * h + 1], a1[2 * h + 1], bl[t][2 * h], bl[t][2 * h + 1]);
+              acc[mt][t][0] = fmaf(s0[h], d[0], acc[mt][t][0]);
+              acc[mt][t][1] = fmaf(s0[h], d[1], acc[mt][t][1]);
+              acc[mt][t][2] = fmaf(s1[h], d[2], acc[mt][t][2]);
+              acc[mt][t][3] = fmaf(s1[h], d[3], acc[mt][t][3]);
+            }
+            if constexpr (R::kAffine) {
+              acc[mt][t][0] = fmaf(m0, xs[t][0], acc[mt][t][0]);
+              acc[mt][t][1] = fmaf(m0, xs[t][1], acc[mt][t][1]);
+              acc[mt][t][2] = fmaf(m1, xs[t][0], acc[mt][t][2]);
+              acc[mt][t][3] = fmaf(m1, xs[t][1], acc[mt][t][3]);
+            }
+          }
+        }
+      }
     }
   }
 
-  // partial sums -> shared memory: acc[mt][t] = rows (16mt + g, 16mt + g + 8), columns
-  // (8t + 2c, 8t + 2c + 1)
+  // partial sums -> red: acc[mt][t] = rows (16mt + g, 16mt + g + 8), columns (8t + 2c,
+  // 8t + 2c + 1). (The previous tile's sums were read before this tile's first barrier.)
   float* mine = red + (size_t)warp * kRows * kCols;
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
@@ -459,98 +465,234 @@ __device__ __forceinline__ void tc_body(const TcParams& p, const TcWeight& w0, i
 }
 #endif
 
+// Persistent CTAs: CTA b takes the tiles b, b + grid, b + 2 grid, ...; its weight bytes stream
+// through one ring of kStages shared-memory stages across the tile boundaries, and x is
+// prepared once per CTA (f_r, and the staged fragments) instead of once per tile.
 template <int MT, int NT>
 __global__ void __launch_bounds__(kThreads, NT >= 4 ? 1 : 2) tc_kernel(const TcParams p) {
 #if SPECD_MMA
-  // [kWarps][16 * MT][8 * NT] partial sums, then (xstage) the staged x
-  extern __shared__ __align__(16) float red[];
+  // [kStages][16 * MT][pitch] weight stages | [kWarps][16 * MT][8 * NT] partial sums | staged x
+  extern __shared__ __align__(16) uint8_t smem[];
   __shared__ float fac[kMaxSmallBatch], unscale[kMaxSmallBatch];
-  constexpr int kRows = 16 * MT, kCols = 8 * NT;
-  uint8_t* xst = reinterpret_cast<uint8_t*>(red + kWarps * kRows * kCols);
-  const bool swiglu = p.ep == Epilogue::SwiGLU;
+  __shared__ float part[kWarps][kMaxSmallBatch][2];  // f_r: the slices' sums and maxima
+  constexpr int kRows = 16 * MT, kCols = 8 * NT, kTpr = kThreads / kRows;
+  uint8_t* stg = smem;
+  float* red = reinterpret_cast<float*>(smem + p.red_off);
+  uint8_t* xst = smem + p.xst_off;
+  const int lane = threadIdx.x % kGroup, warp = threadIdx.x / kGroup, g = lane / 4, c = lane % 4;
+  const int64_t K = p.K, n = p.n, n_units = K / kUnit;
+  const int pitch = p.pitch;
 
-  // this CTA's weight (one type) and first output row
-  TcWeight w0 = p.w[0];
-  int64_t o0;
-  if (swiglu) {
-    o0 = (int64_t)blockIdx.x * 8 * MT;
-  } else {
-    if (p.n_w > 1 && (int)blockIdx.x >= p.w[1].cta0) w0 = p.w[1];
-    if (p.n_w > 2 && (int)blockIdx.x >= p.w[2].cta0) w0 = p.w[2];
-    o0 = (int64_t)(blockIdx.x - w0.cta0) * kRows;
+  // ---- the copier: the kTpr threads of row slot cslot copy its 16-byte chunks of each stage in
+  // turn, from the 16-byte boundary below the slot's first byte of the stage (the
+  // misalignment is kept in place); ct / cst: the tile and stage it copies next
+  const int cslot = threadIdx.x / kTpr, c0 = threadIdx.x % kTpr;
+  int ct = blockIdx.x;
+  int64_t cst = 0, cn_st = 0, csb = 0, qi = 0;
+  GgmlType ctype = GgmlType::F16;
+  const uint8_t *crow = nullptr, *cend = nullptr;
+  auto copy_tile = [&]() {  // the copier's state for tile ct
+    if (ct >= p.n_tiles) return;
+    const Tile tl = tile_at(p, ct, kRows);
+    const TcWeight* w;
+    crow = slot_row(p, tl, cslot, w);
+    cend = w->data + (size_t)w->n_out * w->stride;
+    ctype = tl.w0->type;
+    cn_st = stages_of(ctype, n_units);
+    csb = units_bytes(ctype, stage_units(ctype));
+    cst = 0;
+  };
+  auto issue = [&]() {
+    if (ct < p.n_tiles) {
+      const int64_t units = min((int64_t)stage_units(ctype), n_units - cst * stage_units(ctype));
+      const int64_t bytes = units_bytes(ctype, units);
+      uint8_t* dst = stg + ((size_t)(qi % kStages) * kRows + cslot) * pitch;
+      const uint8_t* start = crow + cst * csb;
+      const uint8_t* a = reinterpret_cast<const uint8_t*>((uintptr_t)start & ~(uintptr_t)15);
+      const int need = (int)(((uintptr_t)start & 15) + bytes + 15) >> 4;
+      for (int ch = c0; ch < need; ch += kTpr) {
+        const int64_t left = cend - (a + 16 * ch);
+        cp_async16_n(dst + 16 * ch, a + 16 * ch, left >= 16 ? 16 : (int)left);
+      }
+      if (++cst == cn_st) {
+        ct += gridDim.x;
+        copy_tile();
+      }
+    }
+    cp_async_commit();  // (an empty group past the end keeps the count uniform)
+    ++qi;
+  };
+  copy_tile();
+  // the first stages: immutable weights, copied before waiting for the previous kernel
+#pragma unroll
+  for (int st = 0; st < kStages - 1; ++st) issue();
+
+  gpu_grid_wait();
+  gpu_grid_launch_dependents();
+
+  // ---- f_r and 1/s_r of every row of x: K is cut into ns = clamp(K / 1024, 1, 8) slices;
+  // (row, slice) pairs go round the warps, each summed and maxed by one warp (lanes over
+  // float4 steps, then the butterfly), and a row's slices meet in order. The arithmetic
+  // depends on K only: the same for every n and in every CTA.
+  const int xo[2] = {x_off(c, 0), x_off(c, 1)};
+  const int ns = (int)max((int64_t)1, min((int64_t)kWarps, K / 1024));
+  {
+    const int64_t ks = (K / kUnit + ns - 1) / ns * kUnit;  // slice length (a multiple of 32)
+    for (int64_t pr = warp; pr < n * ns; pr += kWarps) {
+      const int64_t r = pr / ns, k_lo = (pr % ns) * ks, k_hi = min(K, k_lo + ks);
+      const float* xr = p.x + r * K;
+      float ss = 0.f, mx = 0.f;
+      for (int64_t k = k_lo + 4 * lane; k < k_hi; k += 4 * kGroup) {
+        const float4 v = __ldg(reinterpret_cast<const float4*>(xr + k));
+        float4 nw = make_float4(1.f, 1.f, 1.f, 1.f);
+        if (p.norm_w != nullptr) nw = __ldg(reinterpret_cast<const float4*>(p.norm_w + k));
+        ss = add_squares(v, ss);
+        mx = max_abs_prod(v, nw, mx);
+      }
+      ss = group_sum(ss);
+      mx = group_max(mx);
+      if (lane == 0) {
+        part[pr % ns][r][0] = ss;
+        part[pr % ns][r][1] = mx;
+      }
+    }
   }
-  switch (w0.type) {
-    case GgmlType::Q8_0: tc_body<GgmlType::Q8_0, MT, NT>(p, w0, o0, red, fac, unscale, xst); break;
-    case GgmlType::Q4_K: tc_body<GgmlType::Q4_K, MT, NT>(p, w0, o0, red, fac, unscale, xst); break;
-    case GgmlType::Q6_K: tc_body<GgmlType::Q6_K, MT, NT>(p, w0, o0, red, fac, unscale, xst); break;
-    default: tc_body<GgmlType::F16, MT, NT>(p, w0, o0, red, fac, unscale, xst); break;
+  __syncthreads();
+  for (int64_t r = threadIdx.x; r < n; r += kThreads) {
+    float ss = part[0][r][0], mx = part[0][r][1];
+    for (int sl = 1; sl < ns; ++sl) {
+      ss += part[sl][r][0];
+      mx = fmaxf(mx, part[sl][r][1]);
+    }
+    const float inv = p.norm_w != nullptr ? rsqrtf(ss / (float)K + p.eps) : 1.f;
+    const float sc = pow2_range_scale(mx * inv, 14);  // the largest |v| in [2^14, 2^15): fp16's range
+    fac[r] = inv * sc;
+    unscale[r] = 1.f / sc;
   }
   __syncthreads();
 
-  // sum over the warps in order, unscale, epilogue: thread -> (row of x, output row)
-  const int64_t n = p.n;
-  const int out_rows = swiglu ? 8 * MT : kRows;
-  for (int i = threadIdx.x; i < (int)n * out_rows; i += kThreads) {
-    const int r = i / out_rows, j = i % out_rows;
-    float* yr = p.y + (int64_t)r * p.ldy;
-    auto total = [&](int row) {
-      float v = 0.f;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) v += red[((size_t)w * kRows + row) * kCols + r];
-      return v * unscale[r];
-    };
-    if (swiglu) {
-      const int mt = j / 8, jj = j % 8;
-      const int64_t o = o0 + j;
-      if (o >= p.w[0].n_out) continue;
-      float gv = total(16 * mt + jj), uv = total(16 * mt + 8 + jj);
-      if (p.w[0].bias) gv += p.w[0].bias[o];
-      if (p.w[1].bias) uv += p.w[1].bias[o];
-      yr[o] = gv / (1.f + __expf(-gv)) * uv;
-    } else {
-      const int64_t o = o0 + j;
-      if (o >= w0.n_out) continue;
-      float v = total(j);
-      if (w0.bias) v += w0.bias[o];
-      if (p.ep == Epilogue::Accumulate) yr[w0.col + o] += v;
-      else yr[w0.col + o] = v;
+  // ---- staged x: every (row, unit) converted once, 8 per warp at a time (lane g's pair, lane
+  // c's 8 elements), with the unit sums' butterfly of the streaming path
+  if (p.xstage) {
+    const int64_t xpitch = xstage_pitch(n_units);
+    float* xsum = reinterpret_cast<float*>(xst + n * xpitch);
+    const int64_t pairs = n * n_units;
+    for (int64_t q0 = (int64_t)warp * 8; q0 < pairs; q0 += kWarps * 8) {  // warp-uniform
+      const int64_t qq = q0 + g;
+      const bool ok = qq < pairs;
+      const int64_t r = ok ? qq / n_units : n, u = ok ? qq % n_units : 0;
+      float nw[8];
+      nw_frag(p, kUnit * u, xo, nw);
+      uint32_t bh[4], bl[4];
+      float sum;
+      x_frag(p, r, kUnit * u, xo, ok ? fac[r] : 0.f, nw, bh, bl, sum);
+      sum += gpu_shfl_xor(sum, 1);
+      sum += gpu_shfl_xor(sum, 2);
+      if (ok) {
+        uint8_t* dst = xst + r * xpitch + 128 * u + 32 * c;
+        *reinterpret_cast<uint4*>(dst) = make_uint4(bh[0], bh[1], bh[2], bh[3]);
+        *reinterpret_cast<uint4*>(dst + 16) = make_uint4(bl[0], bl[1], bl[2], bl[3]);
+        if (c == 0) xsum[r * n_units + u] = sum;
+      }
     }
+    // (visible to every warp after the first stage's barrier)
   }
+
+  // ---- the tiles
+  const bool swiglu = p.ep == Epilogue::SwiGLU;
+  int64_t q = 0;  // ring stages consumed
+  for (int t = blockIdx.x; t < p.n_tiles; t += gridDim.x) {
+    const Tile tl = tile_at(p, t, kRows);
+    switch (tl.w0->type) {
+      case GgmlType::Q8_0: tile_body<GgmlType::Q8_0, MT, NT>(p, tl, q, issue, stg, pitch, red, fac, xst); break;
+      case GgmlType::Q4_K: tile_body<GgmlType::Q4_K, MT, NT>(p, tl, q, issue, stg, pitch, red, fac, xst); break;
+      case GgmlType::Q6_K: tile_body<GgmlType::Q6_K, MT, NT>(p, tl, q, issue, stg, pitch, red, fac, xst); break;
+      default: tile_body<GgmlType::F16, MT, NT>(p, tl, q, issue, stg, pitch, red, fac, xst); break;
+    }
+    __syncthreads();
+
+    // sum over the warps in order, unscale, epilogue: thread -> (row of x, output row)
+    const TcWeight& w0 = *tl.w0;
+    const int64_t o0 = tl.o0;
+    const int out_rows = swiglu ? 8 * MT : kRows;
+    for (int i = threadIdx.x; i < (int)n * out_rows; i += kThreads) {
+      const int r = i / out_rows, j = i % out_rows;
+      float* yr = p.y + (int64_t)r * p.ldy;
+      auto total = [&](int row) {
+        float v = 0.f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) v += red[((size_t)w * kRows + row) * kCols + r];
+        return v * unscale[r];
+      };
+      if (swiglu) {
+        const int mt = j / 8, jj = j % 8;
+        const int64_t o = o0 + j;
+        if (o >= p.w[0].n_out) continue;
+        float gv = total(16 * mt + jj), uv = total(16 * mt + 8 + jj);
+        if (p.w[0].bias) gv += p.w[0].bias[o];
+        if (p.w[1].bias) uv += p.w[1].bias[o];
+        yr[o] = gv / (1.f + __expf(-gv)) * uv;
+      } else {
+        const int64_t o = o0 + j;
+        if (o >= w0.n_out) continue;
+        float v = total(j);
+        if (w0.bias) v += w0.bias[o];
+        if (p.ep == Epilogue::Accumulate) yr[w0.col + o] += v;
+        else yr[w0.col + o] = v;
+      }
+    }
+    // (red is written again only after the next tile's first barrier)
+  }
+  cp_async_wait<0>();  // (only empty groups can be left)
 #else
   // (never launched: tc_linear() takes this path only on sm_80+ NVIDIA devices)
   (void)p;
 #endif
 }
 
-constexpr size_t tc_smem(int mt, int nt) { return sizeof(float) * (size_t)kWarps * 16 * mt * 8 * nt; }
+constexpr size_t red_smem(int mt, int nt) { return sizeof(float) * (size_t)kWarps * 16 * mt * 8 * nt; }
+// The widest staged row of the call's types, and of any call.
+int call_pitch(const LinearArgs& a) {
+  int b = 16;
+  for (int j = 0; j < a.n_w; ++j) b = std::max(b, stage_pitch(a.w[j]->type));
+  return b;
+}
+constexpr int kMaxPitch = std::max(std::max(stage_pitch(GgmlType::F16), stage_pitch(GgmlType::Q8_0)),
+                                   std::max(stage_pitch(GgmlType::Q4_K), stage_pitch(GgmlType::Q6_K)));
 
 template <int MT, int NT>
-void launch_tc(const TcParams& p, int ctas, gpuStream_t s) {
+void launch_tc(TcParams& p, gpuStream_t s) {
   static std::once_flag once;
   std::call_once(once, [] {
-    SPECD_GPU_CHECK(gpuFuncSetAttribute((tc_kernel<MT, NT>), gpuFuncAttributeMaxDynamicSharedMemorySize,
-                                        (int)(tc_smem(MT, NT) + kXStageMax)));
+    const size_t most = (size_t)kStages * 16 * MT * kMaxPitch + red_smem(MT, NT) + kXStageMax;
+    SPECD_GPU_CHECK(gpuFuncSetAttribute((tc_kernel<MT, NT>), gpuFuncAttributeMaxDynamicSharedMemorySize, (int)most));
   });
-  const size_t smem = tc_smem(MT, NT) + (p.xstage ? xstage_bytes(p.n, p.K / kUnit) : 0);
+  p.red_off = kStages * 16 * MT * p.pitch;
+  p.xst_off = p.red_off + (int32_t)red_smem(MT, NT);
+  const size_t smem = (size_t)p.xst_off + (p.xstage ? xstage_bytes(p.n, p.K / kUnit) : 0);
+  // as many CTAs as fit on the device at once, at most one per tile
+  int per_sm = 0;
+  SPECD_GPU_CHECK(gpuOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, (tc_kernel<MT, NT>), kThreads, smem));
+  const int ctas = std::max(1, std::min(p.n_tiles, std::max(per_sm, 1) * dev_limits().sms));
   gpu_launch("tc_kernel", tc_kernel<MT, NT>, dim3((unsigned)ctas), dim3(kThreads), smem, s, p);
 }
 
 template <int MT>
-void launch_tc(const TcParams& p, int nt, int ctas, gpuStream_t s) {
+void launch_tc(TcParams& p, int nt, gpuStream_t s) {
   switch (nt) {
-    case 1: launch_tc<MT, 1>(p, ctas, s); break;
-    case 2: launch_tc<MT, 2>(p, ctas, s); break;
-    case 4: launch_tc<MT, 4>(p, ctas, s); break;
-    default: launch_tc<MT, 8>(p, ctas, s); break;
+    case 1: launch_tc<MT, 1>(p, s); break;
+    case 2: launch_tc<MT, 2>(p, s); break;
+    case 4: launch_tc<MT, 4>(p, s); break;
+    default: launch_tc<MT, 8>(p, s); break;
   }
 }
 
 // SPECD_GPU_TC (read once): unset: LinearArgs::tensor_cores decides, for F16; "0": never;
 // "f16": F16 always; "all": F16, Q8_0, Q4_K and Q6_K always. (Measured on an H200,
-// 2026-11-30, bench/results/gpu_nvidia-h200_20261130c.md: on tensor cores a 16-position verify
-// costs 1.6-1.9 decode steps instead of 4.5-4.9, but one decode step is 13-16 % slower for
-// F16 and 23-47 % slower for Q8_0 / Q4_K_M, whose block reads take many small loads; at k = 4
-// the CUDA cores still verify Q4_K_M faster. So F16 only, and only for engines that speculate.)
+// 2026-11-30, bench/results/gpu_nvidia-h200_20261130f.md: on tensor cores a 16-position verify
+// costs 1.9-2.2 decode steps instead of 4.4-5.1, but one decode step is 10-29 % slower (the
+// quantized readers spend more instructions per weight than the CUDA cores do, see above).
+// So F16 only, and only for engines that speculate.)
 enum class TcMode { Option, Off, F16, All };
 TcMode tc_mode() {
   static const TcMode m = [] {
@@ -582,13 +724,15 @@ bool tc_linear(const LinearArgs& a, gpuStream_t s) {
   const int nt = a.n <= 8 ? 1 : a.n <= 16 ? 2 : a.n <= 32 ? 4 : 8;
   // 32 rows per CTA (each x fragment feeds two m-tiles) unless that leaves fewer CTAs than SMs
   const int mt = cta_count(a, 32) >= dev_limits().sms ? 2 : 1;
-  const int64_t ctas = fill_params(p, a, 16 * mt);
+  const int64_t tiles = fill_params(p, a, 16 * mt);
+  SPECD_CHECK(tiles < (int64_t)1 << 31, "linear: too many output rows");
+  p.n_tiles = (int32_t)tiles;
+  p.pitch = call_pitch(a);
   // x converted once per CTA where it fits (SPECD_GPU_TC_XSTAGE=0: never, for benchmarks)
   static const bool xstage_on = env_value("SPECD_GPU_TC_XSTAGE") != "0";
   p.xstage = xstage_on && xstage_bytes(a.n, K / kUnit) <= kXStageMax;
-  SPECD_CHECK(ctas < (int64_t)1 << 31, "linear: too many output rows");
-  if (mt == 2) launch_tc<2>(p, nt, (int)ctas, s);
-  else launch_tc<1>(p, nt, (int)ctas, s);
+  if (mt == 2) launch_tc<2>(p, nt, s);
+  else launch_tc<1>(p, nt, s);
   return true;
 }
 

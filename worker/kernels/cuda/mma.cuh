@@ -54,6 +54,12 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* src, bool val
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(a), "l"(src), "r"(valid ? 16 : 0)
                : "memory");
 }
+// The same with `bytes` (0..16) read and the rest of the 16 zero-filled (a copy that ends at
+// the end of an allocation).
+__device__ __forceinline__ void cp_async16_n(void* smem, const void* src, int bytes) {
+  const uint32_t a = (uint32_t)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(a), "l"(src), "r"(bytes) : "memory");
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 // Waits until at most `pending` of this thread's committed groups are still in flight.
 template <int pending>

@@ -59,6 +59,8 @@ using gpuDeviceProp = hipDeviceProp_t;
 #define gpuEventDestroy hipEventDestroy
 #define gpuFuncSetAttribute(f, attr, v) hipFuncSetAttribute((const void*)(f), attr, v)
 #define gpuFuncAttributeMaxDynamicSharedMemorySize hipFuncAttributeMaxDynamicSharedMemorySize
+#define gpuOccupancyMaxActiveBlocksPerMultiprocessor(n, f, threads, smem) \
+  hipOccupancyMaxActiveBlocksPerMultiprocessor(n, (const void*)(f), threads, smem)
 using gpu_bf16 = hip_bfloat16;
 #define SPECD_GPU_NAME "hip"
 #else
@@ -112,6 +114,7 @@ using gpuDeviceProp = cudaDeviceProp;
 #define gpuEventDestroy cudaEventDestroy
 #define gpuFuncSetAttribute cudaFuncSetAttribute
 #define gpuFuncAttributeMaxDynamicSharedMemorySize cudaFuncAttributeMaxDynamicSharedMemorySize
+#define gpuOccupancyMaxActiveBlocksPerMultiprocessor cudaOccupancyMaxActiveBlocksPerMultiprocessor
 using gpu_bf16 = __nv_bfloat16;
 #define SPECD_GPU_NAME "cuda"
 #endif
