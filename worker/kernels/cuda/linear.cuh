@@ -51,7 +51,8 @@ struct LinearArgs {
   Epilogue ep = Epilogue::Store;
   // Small path on tensor cores (matvec_tc.cu) where the weights' types have a reader there:
   // a verify of 4 positions costs ~1.2-1.4 decode steps, 16 ~2, but one decode step is 10-22 %
-  // slower than on the CUDA cores for F16 (H200, 2026-11-30). Batch invariance holds within one choice: a model makes it once.
+  // slower than on the CUDA cores for F16 (H200, 2026-11-30). Batch invariance holds within
+  // one choice: a model makes it once.
   // SPECD_GPU_TC overrides it for benchmarks: "0" never, "f16" F16 always, "all" also Q8_0,
   // Q4_K, Q6_K always.
   bool tensor_cores = false;

@@ -28,14 +28,10 @@
 
 #include "cuda/linear.cuh"
 #include "cuda/linear_params.cuh"
+#include "cuda/mma.cuh"
 #include "cuda/quants.cuh"
 #include "cuda/testing.h"
 
-#if !SPECD_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-#define SPECD_CP_ASYNC 1
-#else
-#define SPECD_CP_ASYNC 0
-#endif
 
 namespace specd {
 namespace gpu {
@@ -70,10 +66,8 @@ constexpr size_t max_smem(int rpg) { return (size_t)kStages * kWarps * rpg * max
 // ---- asynchronous 16-byte copies global -> shared (plain copies where cp.async is absent)
 
 __device__ __forceinline__ void cp16(uint8_t* dst, const uint8_t* src, int bytes) {
-#if SPECD_CP_ASYNC
-  // bytes < 16 only at the very end of a weight: the rest of the chunk is zero-filled.
-  const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(bytes));
+#if SPECD_MMA
+  cp_async16_n(dst, src, bytes);  // bytes < 16 only at the very end of a weight
 #else
   if (bytes == 16) {
     *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
@@ -83,14 +77,14 @@ __device__ __forceinline__ void cp16(uint8_t* dst, const uint8_t* src, int bytes
 #endif
 }
 __device__ __forceinline__ void cp_commit() {
-#if SPECD_CP_ASYNC
-  asm volatile("cp.async.commit_group;\n" ::);
+#if SPECD_MMA
+  cp_async_commit();
 #endif
 }
 template <int N>
 __device__ __forceinline__ void cp_wait() {  // this thread's copies but the newest N groups are done
-#if SPECD_CP_ASYNC
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#if SPECD_MMA
+  cp_async_wait<N>();
 #endif
 }
 

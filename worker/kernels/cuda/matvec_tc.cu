@@ -3,9 +3,9 @@
 // older GPUs take matvec.cu; taken when LinearArgs::tensor_cores asks, for F16; SPECD_GPU_TC
 // overrides: see tc_type()). Same
 // contract as matvec.cu: float32-accurate and BATCH-INVARIANT, so decode (n = 1) and a
-// speculative verify (n = k + 1) give bit-identical rows; but the work per weight is a
-// fraction of an instruction, so a verify of 16 positions costs about what one decode step
-// costs (the weights are read once; the MMAs are nearly free).
+// speculative verify (n = k + 1) give bit-identical rows; but the weights are read once for
+// all rows of x and the MMAs take the products, so a verify of 16 positions costs ~2 decode
+// steps instead of ~5 (H200; see "History" below for what still limits one step).
 //
 // Maths, per row r of x (a token) and output o:
 //   v_r[k] = x_r[k] * f_r, or (x_r[k] * nw[k]) * f_r with the fused RMSNorm, where
@@ -93,7 +93,7 @@ __host__ __device__ constexpr int64_t xstage_pitch(int64_t n_units) { return 128
 __host__ __device__ constexpr size_t xstage_bytes(int64_t n, int64_t n_units) {
   return (size_t)(n * xstage_pitch(n_units) + 4 * n * n_units);
 }
-constexpr size_t kXStageMax = 96 << 10;  // largest staging buffer (2 CTAs per SM still fit)
+constexpr size_t kXStageMax = 96 << 10;  // largest staged x (with the weight stages and red: < 227 KiB)
 
 // ---- weight staging: the CTA copies the bytes of its 16 * MT weight rows into shared memory
 // (cp.async, kStages buffers, two stages in flight while one is read), stage_units(T) units of

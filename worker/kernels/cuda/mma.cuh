@@ -47,18 +47,15 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
 
 __device__ __forceinline__ uint32_t h2_bits(__half2 v) { return *reinterpret_cast<uint32_t*>(&v); }
 
-// 16 bytes global -> shared, asynchronously (L2 only); zeros instead when !valid (src is
-// then not read, but must still be a valid address).
-__device__ __forceinline__ void cp_async16(void* smem, const void* src, bool valid) {
-  const uint32_t a = (uint32_t)__cvta_generic_to_shared(smem);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(a), "l"(src), "r"(valid ? 16 : 0)
-               : "memory");
-}
-// The same with `bytes` (0..16) read and the rest of the 16 zero-filled (a copy that ends at
-// the end of an allocation).
+// 16 bytes global -> shared, asynchronously (L2 only), of which the first `bytes` (0..16) are
+// read and the rest zero-filled (src must still be a valid address).
 __device__ __forceinline__ void cp_async16_n(void* smem, const void* src, int bytes) {
   const uint32_t a = (uint32_t)__cvta_generic_to_shared(smem);
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(a), "l"(src), "r"(bytes) : "memory");
+}
+// All 16 bytes, or zeros when !valid (src is then not read).
+__device__ __forceinline__ void cp_async16(void* smem, const void* src, bool valid) {
+  cp_async16_n(smem, src, valid ? 16 : 0);
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 // Waits until at most `pending` of this thread's committed groups are still in flight.
