@@ -1,9 +1,11 @@
 """GPU linear() and embed_rows (cuda/linear.cuh) against float64 numpy and the CPU ops.
 
 Every stored type (F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q4_K Q5_K Q6_K), both paths: n <= 64
-(float32, batch-invariant: rows must be BIT-identical whatever n) and n > 64 (fp16 tensor
-cores), every epilogue, biases, the fused RMSNorm, three weights of mixed types in one launch,
-embed_rows bit-equal to ops.dequantize, and the argument errors.
+(float32-accurate, batch-invariant: rows must be BIT-identical whatever n; with
+tensor_cores=False Q8_0 / Q4_K / Q6_K take the digit reader, with True the float reader) and
+n > 64 (fp16 tensor cores), every epilogue, biases, the fused RMSNorm, three weights of mixed
+types in one launch, x of any range per block and NaN / inf in x, embed_rows bit-equal to
+ops.dequantize, and the argument errors.
 
 Weights are fresh random blocks every run (seed printed by the `rng` fixture): raw random
 payload with finite fp16 scales (every nibble / sign pattern, like tests/native), plus gguf's
@@ -43,6 +45,18 @@ def dequant(qtype: T, w: np.ndarray, n_out: int, n_in: int) -> np.ndarray:
     return ops.dequantize(int(qtype), w, n_out * n_in).reshape(n_out, n_in).astype(np.float64)
 
 
+def wabs(qtype: T, w: np.ndarray, n_out: int, n_in: int) -> np.ndarray:
+    """What the error bounds multiply: |w|, except for Q4_K (w = s q + m), which the small
+    path's digit reader sums as s * sum(q x) + m * sum(x): |s| q + |m| (the weight decoded with
+    d made positive and dmin negative)."""
+    if qtype != T.Q4_K:
+        return np.abs(dequant(qtype, w, n_out, n_in))
+    blocks = w.reshape(-1, GGML_QUANT_SIZES[qtype][1]).copy()
+    blocks[:, 1] &= 0x7F  # d >= 0
+    blocks[:, 3] |= 0x80  # dmin <= 0: - dmin * mn >= 0
+    return dequant(qtype, blocks.reshape(-1), n_out, n_in)
+
+
 def n_ins(qtype: T) -> tuple[int, int]:
     """(short, long) reductions: off the 256-element grid where the block allows it, and past
     one 1024-element stage with a partial last stage."""
@@ -64,8 +78,16 @@ def gpu(ws, biases, x, norm_w=None, eps=0.0, epilogue=0, y=None, tensor_cores=Fa
 # ---- error bounds (all derived for float32 / fp16 rounding; the float64 reference is exact
 # to ~1e-16 and is ignored)
 
+def block_max(ax: np.ndarray) -> np.ndarray:
+    """Each element replaced by the largest of its 32-element block along K."""
+    n, k = ax.shape
+    pad = np.zeros((n, -k % 32))
+    m = np.concatenate([ax, pad], 1).reshape(n, -1, 32).max(2)
+    return np.repeat(m, 32, 1)[:, :k]
+
+
 def small_bound(ax: np.ndarray, aw: np.ndarray, extra: float = 0.0) -> np.ndarray:
-    """|float32 GPU - exact| for the n <= 64 path, elementwise.
+    """|float32 GPU - exact| for the n <= 64 path, elementwise (aw: wabs of the weight).
 
     CUDA-core path (matvec.cu): each lane accumulates K/32 elements into one sum (K/256
     pieces of 8: 8 fmas, or for a Scaled piece two 4-term partials each added by one scale
@@ -73,10 +95,14 @@ def small_bound(ax: np.ndarray, aw: np.ndarray, extra: float = 0.0) -> np.ndarra
     roundings per product. Tensor-core path (matvec_tc.cu: F16, and Q8_0, Q4_K, Q6_K with
     SPECD_GPU_TC=all; K % 32 == 0): x keeps 22 bits (4 roundings), then K/64 MMA accumulations per warp, a scale fma per
     16 elements and 7 warp sums: fewer. So |err| <= (K/32 + 20) u |x||W|^T for both.
-    `extra` adds roundings (fused norm: w*nw, the inv factor's own error).
+    `extra` adds roundings (fused norm: w*nw or x*nw, the inv factor's own error).
+    Digit path (Q8_0, Q4_K, Q6_K on the CUDA cores): x is first rounded to the power-of-two
+    grid of its 32-element block, 23 bits below the block's bound 2^E <= 2 max|x_block|: an
+    error of at most 2^-22 max|x_block| per element, the last term. The integer sums are
+    exact; the conversions, scale fmas and butterfly stay within the first term.
     """
     k = ax.shape[1]
-    return 1.01 * (k / 32 + 20 + extra) * U * (ax @ aw.T)
+    return 1.01 * ((k / 32 + 20 + extra) * U * (ax @ aw.T) + 2.0**-22 * (block_max(ax) @ aw.T))
 
 
 def fp16_bound(ax: np.ndarray, aw: np.ndarray) -> np.ndarray:
@@ -102,13 +128,13 @@ def check(got: np.ndarray, want: np.ndarray, bound: np.ndarray, what: str) -> No
 
 
 def check_store(y: np.ndarray, x: np.ndarray, ws, biases, bound_of, what: str) -> None:
-    """y = x W_j^T + b_j side by side (Store) against float64, within bound_of(x64, w64) plus
+    """y = x W_j^T + b_j side by side (Store) against float64, within bound_of(x64, wabs) plus
     2 u |result| (the bias add and the final rounding)."""
     x64, col = x.astype(np.float64), 0
     for (t, w, m, n_in), b in zip(ws, biases):
         wf = dequant(t, w, m, n_in)
         want = x64 @ wf.T + (0 if b is None else b.astype(np.float64))
-        check(y[:, col:col + m], want, bound_of(x64, wf) + 2 * U * np.abs(want), f"{t.name} {what}")
+        check(y[:, col:col + m], want, bound_of(x64, wabs(t, w, m, n_in)) + 2 * U * np.abs(want), f"{t.name} {what}")
         col += m
 
 
@@ -125,12 +151,12 @@ def test_linear_every_type_matches_float64(qtype: T, rng: np.random.Generator) -
     for n_in in n_ins(qtype):
         n_out = 133
         w = random_weight(rng, qtype, n_out, n_in)
-        wf = dequant(qtype, w, n_out, n_in)
+        wf, aw = dequant(qtype, w, n_out, n_in), wabs(qtype, w, n_out, n_in)
         for n in (1, 2, 3, 5, 17, 64, 65, 300):
             x = rng.standard_normal((n, n_in), dtype=np.float32)
             y = gpu([(qtype, w, n_out, n_in)], [None], x)
             x64 = x.astype(np.float64)
-            check(y, x64 @ wf.T, bound_for(n, np.abs(x64), np.abs(wf)), f"{qtype.name} K={n_in} n={n}")
+            check(y, x64 @ wf.T, bound_for(n, np.abs(x64), aw), f"{qtype.name} K={n_in} n={n}")
         # non-vacuous: the float32 bound is far below one average term |x||w|
         assert (n_in / 64 + 16) * U * n_in < 0.01
 
@@ -146,7 +172,7 @@ def test_small_path_agrees_with_cpu_matmul(qtype: T, rng: np.random.Generator) -
     y = gpu([(qtype, w, n_out, n_in)], [None], x)
     wf, x64 = dequant(qtype, w, n_out, n_in), x.astype(np.float64)
     mag = np.abs(x64) @ np.abs(wf).T
-    tol = small_bound(np.abs(x64), np.abs(wf)) + 1.01 * (n_in / 8 + 40) * U * mag
+    tol = small_bound(np.abs(x64), wabs(qtype, w, n_out, n_in)) + 1.01 * (n_in / 8 + 40) * U * mag
     assert np.all(np.abs(y.astype(np.float64) - cpu) <= tol)
 
 
@@ -175,6 +201,49 @@ def test_large_path_big_shape_relative_error(rng: np.random.Generator) -> None:
         y = gpu([(qtype, w, n_out, n_in)], [None], x)
         rel = np.linalg.norm(y - want) / np.linalg.norm(want)
         assert rel < 2e-3, f"{qtype.name}: relative Frobenius error {rel:.3g}"
+
+
+# ---- the digit path's rounding of x (Q8_0, Q4_K, Q6_K on the CUDA cores)
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K, T.Q6_K, T.Q5_K], ids=lambda t: t.name)
+def test_small_path_blocks_of_any_range(qtype: T, rng: np.random.Generator) -> None:
+    # Every 32-element block of x on its own grid: blocks of 1e-30, 1e-3, 1 and 1e20, all-zero
+    # blocks, signed zeros, subnormals, and blocks whose largest element is 1e6 times the rest
+    # (each rounded to 23 bits below its block's largest). Within small_bound of float64, with
+    # the fused norm and 1 % of elements 1e4 times the rest too. (Q5_K: the float path.)
+    n_in, n_out, n = 1024, 40, 5
+    w = random_weight(rng, qtype, n_out, n_in)
+    wf, aw = dequant(qtype, w, n_out, n_in), wabs(qtype, w, n_out, n_in)
+    blocks = rng.standard_normal((n, n_in // 32, 32))
+    blocks *= 10.0 ** rng.choice([-30.0, -3.0, 0.0, 20.0], (n, n_in // 32, 1))
+    blocks[:, ::7] = 0.0
+    blocks[:, 3::7, 5] = -0.0
+    blocks[:, 4::7] *= 1e-12  # 1e-42 .. 1e8: some subnormal in float32
+    blocks[:, 5::7, 0] *= 1e6
+    x = blocks.reshape(n, n_in).astype(np.float32)
+    x64 = x.astype(np.float64)
+    check(gpu([(qtype, w, n_out, n_in)], [None], x), x64 @ wf.T, small_bound(np.abs(x64), aw), f"{qtype.name}")
+    norm_w = rng.uniform(0.5, 2.0, n_in).astype(np.float32)
+    xo = (rng.standard_normal((n, n_in)) * np.where(rng.random((n, n_in)) < 0.01, 1e4, 1.0)).astype(np.float32)
+    xn = xo.astype(np.float64) / np.sqrt((xo.astype(np.float64) ** 2).mean(1, keepdims=True) + 1e-6) * norm_w
+    y = gpu([(qtype, w, n_out, n_in)], [None], xo, norm_w=norm_w, eps=1e-6)
+    check(y, xn @ wf.T, small_bound(np.abs(xn), aw, n_in / 256 + 48), f"{qtype.name} norm")
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K, T.Q6_K, T.F16], ids=lambda t: t.name)
+def test_small_path_nan_in_x_gives_nan_row(qtype: T, rng: np.random.Generator) -> None:
+    # One NaN or inf in a row of x: that row of y is all NaN (or inf / NaN on the float
+    # path), never a finite wrong number; the other rows are untouched (bit-equal to alone).
+    n_in, n_out = 512, 24
+    w = random_weight(rng, qtype, n_out, n_in)
+    x = rng.standard_normal((4, n_in), dtype=np.float32)
+    x[1, 300] = np.nan
+    x[2, 7] = np.inf
+    ws = [(qtype, w, n_out, n_in)]
+    y = gpu(ws, [None], x)
+    assert np.all(np.isnan(y[1])) and not np.any(np.isfinite(y[2]))
+    for r in (0, 3):
+        np.testing.assert_array_equal(y[r].view(np.uint32), gpu(ws, [None], x[r:r + 1])[0].view(np.uint32))
 
 
 # ---- batch invariance (what makes speculative decoding lossless)
@@ -314,8 +383,9 @@ def test_swiglu(types: tuple[T, T], n: int, rng: np.random.Generator) -> None:
     x64 = x.astype(np.float64)
     wg, wu = (dequant(t, w, m, k) for t, w, m, k in ws)
     g, u = x64 @ wg.T + biases[0], x64 @ wu.T + biases[1]
-    bg = bound_for(n, np.abs(x64), np.abs(wg)) + 2 * U * np.abs(g)
-    bu = bound_for(n, np.abs(x64), np.abs(wu)) + 2 * U * np.abs(u)
+    ag, au = (wabs(t, w, m, k) for t, w, m, k in ws)
+    bg = bound_for(n, np.abs(x64), ag) + 2 * U * np.abs(g)
+    bu = bound_for(n, np.abs(x64), au) + 2 * U * np.abs(u)
     check(y, swiglu64(g, u), swiglu_tol(g, u, bg, bu), f"swiglu {types} n={n}")
 
 
@@ -464,13 +534,14 @@ def check_norm_swiglu_accumulate(rng, n: int, n_in: int, qtype: T, bound_of, acc
     gf, uf = dequant(qtype, wg, n_out, n_in), dequant(qtype, wu, n_out, n_in)
     g64, u64 = xn @ gf.T, xn @ uf.T
     extra = n_in / 256 + 48 + 4
-    bg = bound_of(xn, gf, extra) + 2 * U * np.abs(g64)
-    bu = bound_of(xn, uf, extra) + 2 * U * np.abs(u64)
+    ag, au = wabs(qtype, wg, n_out, n_in), wabs(qtype, wu, n_out, n_in)
+    bg = bound_of(xn, ag, extra) + 2 * U * np.abs(g64)
+    bu = bound_of(xn, au, extra) + 2 * U * np.abs(u64)
     check(y, swiglu64(g64, u64), swiglu_tol(g64, u64, bg, bu), f"{what} swiglu n={n}")
     y0 = rng.standard_normal((n, n_out), dtype=np.float32)
     y = gpu(ws[:1], [None], x, epilogue=1, y=y0, **path)
     want = y0 + x64 @ gf.T
-    check(y, want, bound_of(x64, gf, acc_extra) + 2 * U * (np.abs(want) + np.abs(y0)), f"{what} acc n={n}")
+    check(y, want, bound_of(x64, ag, acc_extra) + 2 * U * (np.abs(want) + np.abs(y0)), f"{what} acc n={n}")
 
 
 @pytest.mark.parametrize("epilogue", [0, 2])

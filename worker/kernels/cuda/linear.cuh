@@ -11,8 +11,10 @@
 //    chosen by LinearArgs::tensor_cores, the weight types and the device (never by n):
 //    tensor cores when asked and every weight is F16 (with SPECD_GPU_TC=all also Q8_0, Q4_K,
 //    Q6_K) on NVIDIA sm_80+ (matvec_tc.cu: x split into two fp16 halves, exact weights,
-//    float32 MMA accumulation; a verify of 16 positions costs ~2 decode steps), else
-//    float32 FMAs on the CUDA cores (matvec.cu).
+//    float32 MMA accumulation; a verify of 16 positions costs ~2 decode steps), else the
+//    CUDA cores (matvec.cu): Q8_0, Q4_K and Q6_K times x rounded per 32-element block to
+//    23-bit integer digits (dp4a, exact integer sums) when tensor_cores is false, float32
+//    FMAs otherwise and for the other types.
 //  * n > kMaxSmallBatch (prefill): a GEMM on tensor cores, fp16 x fp16 -> fp32 accumulate,
 //    with tiles of W decoded to fp16 in shared memory (F16 weights copied as stored). On
 //    NVIDIA sm_80+ x is first rounded to fp16 into LinearArgs::work, then copied in tiles
@@ -54,7 +56,9 @@ struct LinearArgs {
   // slower than on the CUDA cores for F16 (H200, 2026-11-30). Batch invariance holds within
   // one choice: a model makes it once.
   // SPECD_GPU_TC overrides it for benchmarks: "0" never, "f16" F16 always, "all" also Q8_0,
-  // Q4_K, Q6_K always.
+  // Q4_K, Q6_K always. On the CUDA cores, false also selects the digit reader for Q8_0 / Q4_K /
+  // Q6_K (a decode step of the 8B Q4_K_M ~15 % faster, a verify of 16 ~30 % slower: matvec.cu);
+  // SPECD_GPU_DIGITS=0 turns it off.
   bool tensor_cores = false;
   // Workspace of the large path (n > kMaxSmallBatch): device memory of at least
   // linear_work_bytes(n, K) bytes, 16-byte aligned, not used by anything else during the call

@@ -3,24 +3,28 @@
 // entry points of both (cuda/testing.h).
 //
 // Maths: y[r, o] = sum_k W[o, k] * x[r, k], float32 activations and accumulation, then
-// bias and epilogue (cuda/linear.cuh). Fused RMSNorm: sum_k W[o,k] (x[r,k] inv_r nw[k]) is
-// computed as inv_r * sum_k (W[o,k] nw[k]) x[r,k], so the norm weight is applied once per
-// weight element and shared by all rows of x.
+// bias and epilogue (cuda/linear.cuh). Two readers: floats (every type; fused RMSNorm: sum_k
+// W[o,k] (x[r,k] inv_r nw[k]) is computed as inv_r * sum_k (W[o,k] nw[k]) x[r,k], so the norm
+// weight is applied once per weight element and shared by all rows of x) and, for Q8_0 / Q4_K
+// / Q6_K in engines that do not speculate, integer digits of x (its own section below: x nw
+// rounded once per 32-element block, exact dp4a sums, inv_r at the end).
 //
-// Launch: 256 threads = 8 groups of 32 lanes; grid.x = CTAs over (weight, block of rows),
-// grid.y = tiles of NR rows of x (NR = 1, 2 or 4 by n). Each group owns 1 or 2 weight rows
-// (RPG) and streams their bytes through its own part of shared memory, 1024 elements (512
-// for F16/BF16, 256 for F32) per stage, with 16-byte coalesced copies (cp.async on sm_80+, 3 stages,
-// two in flight while one is read); groups never wait for each other in the K loop.
+// Launch: 256 threads = 8 groups of 32 lanes; grid.x = persistent CTAs (as many as fit) over
+// the blocks of rows of the weights, grid.y = tiles of NR rows of x (NR = 1 .. 16 by n).
+// Each group owns 1, 2 or 4 weight rows (RPG) and streams their bytes through its own part
+// of shared memory, 1024 elements (512 for F16/BF16, 256 for F32) per stage, with 16-byte
+// coalesced copies (cp.async on sm_80+, 3 stages, two in flight while one is read); groups
+// never wait for each other in the K loop.
 //
 // Batch invariance: in every stage, lane l of a group owns pieces l, l+32, l+64, l+96 (8
 // weights each, quants.cuh; Q4_K: pieces 2m, 2m+1 of blocks l/16 and 2 + l/16, m = l % 16,
 // so that one read of a block's scales serves 16 weights) and accumulates them in that order
 // into its sum, which the group reduces with a fixed butterfly. A row's operation sequence
 // depends only on its weights and K (and the stage size, fixed by the weight types of the
-// call): not on n, NR, the tile, the other rows or RPG. So row r of y is bit-identical
-// whatever else is computed with it. The RMSNorm factor of a row is a fixed-order reduction
-// over the whole CTA (float4 steps, then block_sum), the same in every CTA.
+// call): not on n, NR, the tile, the other rows, RPG or which CTA takes the block. So row r
+// of y is bit-identical whatever else is computed with it. The RMSNorm factor of a row is a
+// fixed-order reduction over the whole CTA (float4 steps, then block_sum), the same in every
+// CTA. (The digit reader: the same argument, its lane -> run mapping in quants.cuh.)
 #include <algorithm>
 #include <cstdlib>
 #include <mutex>
@@ -60,8 +64,14 @@ constexpr int max_pitch() {
     m = std::max(m, stage_pitch(t, stage_elems_for(t)));  // (a launch's stage is at most its types' own)
   return m;
 }
-// Largest staging buffer of a CTA with RPG rows per group: 52 KiB (Q8_0) per 2 rows.
-constexpr size_t max_smem(int rpg) { return (size_t)kStages * kWarps * rpg * max_pitch(); }
+// The digit path's window (below): at most kDigitBytes for all rows of x of a CTA, each
+// taking 3 bytes per element, a float per 32 (xs) and one per 16 (run sums).
+constexpr int kDigitBytes = 64 << 10;
+constexpr int digit_row_bytes(int win) { return 3 * win + win / 8 + win / 4; }
+constexpr bool int_type(GgmlType t) { return t == GgmlType::Q8_0 || t == GgmlType::Q4_K || t == GgmlType::Q6_K; }
+// Largest shared memory of a CTA with RPG rows per group: staging (52 KiB (Q8_0) per 2 rows)
+// and the digit window.
+constexpr size_t max_smem(int rpg) { return (size_t)kStages * kWarps * rpg * max_pitch() + kDigitBytes; }
 
 // ---- asynchronous 16-byte copies global -> shared (plain copies where cp.async is absent)
 
@@ -74,6 +84,13 @@ __device__ __forceinline__ void cp16(uint8_t* dst, const uint8_t* src, int bytes
   } else {
     for (int i = 0; i < bytes; ++i) dst[i] = src[i];
   }
+#endif
+}
+__device__ __forceinline__ void cp16_all(uint8_t* dst, const uint8_t* src) {
+#if SPECD_MMA
+  cp_async16_all(dst, src);
+#else
+  *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
 #endif
 }
 __device__ __forceinline__ void cp_commit() {
@@ -101,6 +118,9 @@ struct MvWeight : LinWeight {    // (cta0: first blockIdx.x of the weight)
 struct MvParams : LinParamsOf<MvWeight> {
   int32_t stage_elems = 1024;     // K elements per stage
   int32_t pitch = 0;              // shared bytes per staged row
+  int32_t win = 0;                // K elements per digit window (0: no digit path in this call)
+  int32_t ring_bytes = 0;         // staging buffers (the digit window follows them)
+  int32_t n_cb = 0;               // blocks of rows (8 groups' rows each) to cover
 };
 
 // A group's staged row: where its bytes come from and how many per stage.
@@ -117,6 +137,12 @@ __device__ __forceinline__ void stage_copy(const GroupRow& g, int st, bool last,
   const uint8_t* start = g.src + (size_t)st * g.sb;
   const uint8_t* a = reinterpret_cast<const uint8_t*>((uintptr_t)start & ~(uintptr_t)15);
   const int n_chunks = (int)(((uintptr_t)start & 15) + (last ? g.lb : g.sb) + 15) >> 4;
+  if (a + 16 * n_chunks <= g.end) {  // (all but a weight's very last chunk: no size to work out)
+    const uint8_t* src = a + 16 * lane;
+    uint8_t* d = dst + 16 * lane;
+    for (int c = lane; c < n_chunks; c += kGroup, src += 16 * kGroup, d += 16 * kGroup) cp16_all(d, src);
+    return;
+  }
   for (int c = lane; c < n_chunks; c += kGroup) {
     const uint8_t* src = a + 16 * c;
     const int64_t left = g.end - src;
@@ -243,19 +269,163 @@ __device__ __forceinline__ void stage_dot(const MvParams& p, const uint8_t* cons
   }
 }
 
+// ---- the digit path (Q8_0, Q4_K, Q6_K): integer weights times x in exact integer digits
+//
+// Each 32-element block b of a row of x (times the norm weight, when fused) is rounded once
+// to integers on the power-of-two grid of its largest element: X_k = round(x_k 2^(22-E_b))
+// with |x_k| < 2^E_b over the block, so |X_k| <= 2^22 and the error is at most 2^(E_b-23)
+// (the float32 rounding of the block's largest element). X = D0 2^16 + D1 2^8 + D2 is kept
+// as three byte planes (D0 = X >> 16 signed, D1 and D2 unsigned), and a run of 16 weights
+// (IntRuns, quants.cuh) gives the exact integer sums S_t = sum q D_t, four dp4a per plane;
+// S = S0 2^16 + S1 2^8 + S2 is rounded to float (at most twice), times xs_b = 2^(E_b-22)
+// (exact), times the run's scale in the accumulating fma (one rounding), and Q4_K adds its
+// minimum times the run's sum of X xs_b (one more fma). Integer sums are exact in any
+// order, so a row's float operations still depend only on its weights and K: batch
+// invariance holds as on the float path.
+//
+// Window: the digits of the tile's NR rows for `win` K elements (all of K where that fits
+// in kDigitBytes) live in shared memory after the staging ring; all threads of the CTA
+// write them at the window's first stage, between two barriers.
+
+
+// The digits of 4 elements of one row (v: x times norm_w) into the window row d at unit u
+// (elements 4u .. 4u + 3): 8 consecutive lanes hold a block, 4 a run; `on` = the unit exists
+// (every lane takes part in the shuffles).
+__device__ __forceinline__ void digits4(const float (&v)[4], bool on, int u, uint8_t* d, int win) {
+  // the block's largest |v| as bits (integer order: NaN > inf > finite, so both show)
+  uint32_t big = 0;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) big = max(big, __float_as_uint(v[e]) & 0x7FFFFFFFu);
+  big = max(big, gpu_shfl_xor(big, 1));
+  big = max(big, gpu_shfl_xor(big, 2));
+  big = max(big, gpu_shfl_xor(big, 4));
+  // biased exponent ef: |v| < 2^(ef-126), so v 2^(148-ef) < 2^22; xs = 2^(ef-148) (blocks
+  // below 2^-104 share the grid of 2^-104: xs stays normal), NaN for inf or NaN in the block
+  const uint32_t ef = max(big >> 23, 22u);
+  const float scale = __uint_as_float((275u - ef) << 23);
+  const float xsb = ef == 255u ? __uint_as_float(0x7FC00000u) : __uint_as_float((ef - 21u) << 23);
+  uint32_t X[4];  // round(v scale): the bits of v scale + 1.5 * 2^23, minus those of 1.5 * 2^23
+#pragma unroll
+  for (int e = 0; e < 4; ++e) X[e] = __float_as_uint(fmaf(v[e], scale, 12582912.f)) - 0x4B400000u;
+  const uint32_t b01 = __byte_perm(X[0], X[1], 0x5140), b23 = __byte_perm(X[2], X[3], 0x5140);
+  const uint32_t t01 = __byte_perm(X[0], X[1], 0x0062), t23 = __byte_perm(X[2], X[3], 0x0062);
+  int sum = (int)(X[0] + X[1] + X[2] + X[3]);  // over 16 elements: |sum| <= 2^26, exact
+  sum += gpu_shfl_xor(sum, 1);
+  sum += gpu_shfl_xor(sum, 2);
+  if (on) {
+    float* xs = reinterpret_cast<float*>(d + 3 * win);
+    *reinterpret_cast<uint32_t*>(d + 4 * u) = __byte_perm(t01, t23, 0x5410);            // D0
+    *reinterpret_cast<uint32_t*>(d + win + 4 * u) = __byte_perm(b01, b23, 0x7632);      // D1
+    *reinterpret_cast<uint32_t*>(d + 2 * win + 4 * u) = __byte_perm(b01, b23, 0x5410);  // D2
+    if ((u & 7) == 0) xs[u / 8] = xsb;
+    if ((u & 3) == 0) xs[win / 32 + u / 4] = (float)sum * xsb;  // the run sums follow xs
+  }
+}
+
+// Digits of x[r, w0 .. w0 + len) (times norm_w) for the tile's NR rows: thread t takes the
+// units (4 elements) t, t + 256, ... of every row, C of each row with all their loads in
+// flight before any is used. With ss (len = K), also each row's sum of squares in the order of
+// the norm loop (unit order per row: the same inv in every CTA, for every n).
+template <int NR>
+__device__ __forceinline__ void digits_prep(const MvParams& p, const int32_t (&xoff)[NR], int64_t w0, int len,
+                                            uint8_t* dig, float* ss) {
+  constexpr int C = NR >= 4 ? 1 : 4 / NR;
+  const int win = p.win, units = len / 4;  // len: a multiple of 32, so units of 8
+  for (int i0 = 0; i0 * kThreads < units; i0 += C) {  // (uniform trip count: whole groups shuffle)
+    float4 a[C][NR], n[C];
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      const int u = (i0 + c) * kThreads + (int)threadIdx.x;
+      n[c] = make_float4(1.f, 1.f, 1.f, 1.f);
+      if (u < units && p.norm_w != nullptr) n[c] = ldg4(p.norm_w + w0 + 4 * u);
+#pragma unroll
+      for (int r = 0; r < NR; ++r) a[c][r] = u < units ? ldg4(p.x + xoff[r] + w0 + 4 * u) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      const int u = (i0 + c) * kThreads + (int)threadIdx.x;
+#pragma unroll
+      for (int r = 0; r < NR; ++r) {
+        if (ss != nullptr && u < units) ss[r] = add_squares(a[c][r], ss[r]);
+        const float v[4] = {a[c][r].x * n[c].x, a[c][r].y * n[c].y, a[c][r].z * n[c].z, a[c][r].w * n[c].w};
+        digits4(v, u < units, u, dig + (size_t)r * digit_row_bytes(win), win);
+      }
+    }
+  }
+}
+
+// One stage (elements k0 .. k0 + elems of the window, kw = k0 relative to it) of the group's
+// RPG staged rows of type T times the tile's NR rows of x in digits: lane's two runs per row.
+template <GgmlType T, int NR, int RPG>
+__device__ __forceinline__ void int_stage(const uint8_t* const (&base)[RPG], int elems, int kw, const uint8_t* dig,
+                                          int win, float (&acc)[RPG][NR], int lane) {
+  using D = IntDec<T>;
+  if (!D::busy(lane, elems)) return;
+  IntRuns w[RPG];
+#pragma unroll
+  for (int rr = 0; rr < RPG; ++rr) D::load(base[rr], lane, w[rr]);
+#pragma unroll
+  for (int r = 0; r < NR; ++r) {
+    const uint8_t* d = dig + (size_t)r * digit_row_bytes(win);
+    const float* xs = reinterpret_cast<const float*>(d + 3 * win);
+    const float* rs = xs + win / 32;  // (digits4's layout)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int k = kw + w[0].k[j];  // (the same for every row of the group)
+      const uint4 p0 = *reinterpret_cast<const uint4*>(d + k);
+      const uint4 p1 = *reinterpret_cast<const uint4*>(d + win + k);
+      const uint4 p2 = *reinterpret_cast<const uint4*>(d + 2 * win + k);
+      const float xsb = xs[k >> 5];
+#pragma unroll
+      for (int rr = 0; rr < RPG; ++rr) {
+        const uint32_t* q = w[rr].q + 4 * j;
+        int s0 = gpu_dot4<D::kSigned, true>(q[0], p0.x, 0), s1 = gpu_dot4<D::kSigned, false>(q[0], p1.x, 0),
+            s2 = gpu_dot4<D::kSigned, false>(q[0], p2.x, 0);
+        s0 = gpu_dot4<D::kSigned, true>(q[1], p0.y, s0);
+        s1 = gpu_dot4<D::kSigned, false>(q[1], p1.y, s1);
+        s2 = gpu_dot4<D::kSigned, false>(q[1], p2.y, s2);
+        s0 = gpu_dot4<D::kSigned, true>(q[2], p0.z, s0);
+        s1 = gpu_dot4<D::kSigned, false>(q[2], p1.z, s1);
+        s2 = gpu_dot4<D::kSigned, false>(q[2], p2.z, s2);
+        s0 = gpu_dot4<D::kSigned, true>(q[3], p0.w, s0);
+        s1 = gpu_dot4<D::kSigned, false>(q[3], p1.w, s1);
+        s2 = gpu_dot4<D::kSigned, false>(q[3], p2.w, s2);
+        const float sum = fmaf((float)s0, 65536.f, (float)(s1 * 256 + s2)) * xsb;  // (x 2^k: exact)
+        acc[rr][r] = fmaf(sum, w[rr].s[j], acc[rr][r]);
+        if constexpr (T == GgmlType::Q4_K) acc[rr][r] = fmaf(w[rr].m[j], rs[k >> 4], acc[rr][r]);
+      }
+    }
+  }
+}
+
+// A stage of RPG rows of type T, on the digit path where the call has one, else on floats.
+template <GgmlType T, int NR, int RPG>
+__device__ __forceinline__ void any_stage(const MvParams& p, const uint8_t* const (&base)[RPG], int n_pc, int64_t k0,
+                                          const int32_t (&xoff)[NR], const uint8_t* dig, float (&acc)[RPG][NR],
+                                          int lane) {
+  if constexpr (int_type(T)) {
+    if (p.win > 0) {
+      int_stage<T, NR, RPG>(base, 8 * n_pc, (int)(k0 % p.win), dig, p.win, acc, lane);
+      return;
+    }
+  }
+  stage_dot<T, NR, RPG>(p, base, n_pc, k0, xoff, acc, lane);
+}
+
 // The same for a group whose rows have different types (SwiGLU of two types): each row on
 // its own, with the arithmetic of stage_dot (so each row's result is the same as there).
 template <int NR, int RPG>
 __device__ __forceinline__ void stage_dot_mixed(const MvParams& p, const GgmlType (&type)[RPG],
                                                 const uint8_t* const (&base)[RPG], int n_pc, int64_t k0,
-                                                const int32_t (&xoff)[NR], float (&acc)[RPG][NR], int lane) {
+                                                const int32_t (&xoff)[NR], const uint8_t* dig, float (&acc)[RPG][NR],
+                                                int lane) {
 #pragma unroll
   for (int rr = 0; rr < RPG; ++rr) {
     const uint8_t* const b1[1] = {base[rr]};
     float a1[1][NR];
 #pragma unroll
     for (int r = 0; r < NR; ++r) a1[0][r] = acc[rr][r];
-    with_type(type[rr], [&](auto tag) { stage_dot<decltype(tag)::value, NR, 1>(p, b1, n_pc, k0, xoff, a1, lane); });
+    with_type(type[rr], [&](auto tag) { any_stage<decltype(tag)::value, NR, 1>(p, b1, n_pc, k0, xoff, dig, a1, lane); });
 #pragma unroll
     for (int r = 0; r < NR; ++r) acc[rr][r] = a1[0][r];
   }
@@ -264,12 +434,37 @@ __device__ __forceinline__ void stage_dot_mixed(const MvParams& p, const GgmlTyp
 // Blocks per multiprocessor the kernel is compiled for (registers per thread follow).
 constexpr int mv_min_blocks(int nr, int rpg) { return nr * rpg == 1 ? 4 : nr == 1 ? 3 : nr * rpg >= 16 ? 1 : 2; }
 
-// RPG weight rows per group (8*RPG staged rows per CTA) times NR rows of x.
-// Store/Accumulate: group g has rows o0 + RPG*g + rr of one weight. SwiGLU (RPG even): the
-// group has output rows o0 + (RPG/2)*g + j, j < RPG/2, as gate row (rr = 2j) and up row
-// (rr = 2j + 1).
+// The rows of group `warp` in the CTA-sized block cb of the call's rows: the weight (w0),
+// the output row of rr = 0, and where each row's bytes are. Store/Accumulate: rows
+// o0 + RPG*warp + rr of one weight. SwiGLU (RPG even): output rows o0 + (RPG/2)*warp + j,
+// j < RPG/2, as gate row (rr = 2j) and up row (rr = 2j + 1).
+template <int RPG>
+__device__ __forceinline__ void rows_of(const MvParams& p, int cb, int warp, MvWeight& w0, int64_t& o_first,
+                                        GroupRow (&gr)[RPG]) {
+  const bool swiglu = p.ep == Epilogue::SwiGLU;
+  w0 = p.w[0];
+  if (swiglu) {
+    o_first = ((int64_t)cb * kWarps + warp) * (RPG / 2);
+  } else {
+    if (p.n_w > 1 && cb >= p.w[1].cta0) w0 = p.w[1];
+    if (p.n_w > 2 && cb >= p.w[2].cta0) w0 = p.w[2];
+    o_first = (int64_t)(cb - w0.cta0) * kWarps * RPG + (int64_t)warp * RPG;
+  }
+#pragma unroll
+  for (int rr = 0; rr < RPG; ++rr) {
+    const MvWeight& w = swiglu && (rr & 1) ? p.w[1] : w0;
+    const int64_t o = min(swiglu ? o_first + rr / 2 : o_first + rr, w.n_out - 1);  // clamped; dropped at the end
+    gr[rr] = GroupRow{w.data + (size_t)o * w.stride, w.end, w.stage_bytes, w.last_bytes, w.type};
+  }
+}
+
+// RPG weight rows per group (8*RPG staged rows per CTA) times NR rows of x, for the blocks
+// of rows cb = blockIdx.x, blockIdx.x + gridDim.x, ... < p.n_cb (persistent CTAs: x's norm
+// factor and digits are prepared once per CTA, not once per block of rows).
 // Each group streams its own rows through its own part of shared memory (kStages buffers
-// per row), so the groups never wait for each other inside the K loop.
+// per row), so the groups never wait for each other inside the K loop; the stream runs on
+// from one block of rows into the next (the next block's first stages are in flight while
+// the last ones of this block are read).
 //
 // Programmatic dependent launch (sm_90): the weight copies of the first stages are issued
 // before gpu_grid_wait(), so they overlap the end of the kernel this one depends on; x, the
@@ -286,122 +481,151 @@ __global__ void __launch_bounds__(kThreads, mv_min_blocks(NR, RPG)) matvec_kerne
 #pragma unroll
   for (int r = 0; r < NR; ++r) xoff[r] = (int32_t)(min(row0 + r, p.n - 1) * K);
 
-  // this group's rows
-  MvWeight w0 = p.w[0];
-  int64_t o_first;  // output row of rr = 0
-  if (swiglu) {
-    o_first = ((int64_t)blockIdx.x * kWarps + warp) * (RPG / 2);
-  } else {
-    if (p.n_w > 1 && (int)blockIdx.x >= p.w[1].cta0) w0 = p.w[1];
-    if (p.n_w > 2 && (int)blockIdx.x >= p.w[2].cta0) w0 = p.w[2];
-    o_first = (int64_t)(blockIdx.x - w0.cta0) * kWarps * RPG + (int64_t)warp * RPG;
-  }
-  GroupRow gr[RPG];
-  GgmlType type[RPG];
-#pragma unroll
-  for (int rr = 0; rr < RPG; ++rr) {
-    MvWeight w = w0;
-    if (swiglu && (rr & 1)) w = p.w[1];
-    const int64_t o = min(swiglu ? o_first + rr / 2 : o_first + rr, w.n_out - 1);  // clamped; dropped at the end
-    gr[rr] = GroupRow{w.data + (size_t)o * w.stride, w.end, w.stage_bytes, w.last_bytes, w.type};
-    type[rr] = w.type;
-  }
-  const int se = p.stage_elems, pitch = p.pitch;
+  const int se = p.stage_elems, pitch = p.pitch, n_cb = p.n_cb, step = (int)gridDim.x;
   const int n_st = (int)((K + se - 1) / se);
   uint8_t* mine = smem + (size_t)warp * RPG * kStages * pitch;  // [RPG][kStages][pitch]
-  auto issue = [&](int st) {
-    if (st < n_st) {
+  // the copy stream: stage is_st of block is_cb (rows ig) into ring slot is_slot
+  int is_cb = blockIdx.x, is_st = 0, is_slot = 0;
+  GroupRow ig[RPG];
+  {
+    MvWeight w;
+    int64_t o;
+    rows_of<RPG>(p, is_cb, warp, w, o, ig);
+  }
+  auto issue = [&]() {
+    if (is_cb < n_cb) {
 #pragma unroll
       for (int rr = 0; rr < RPG; ++rr)
-        stage_copy(gr[rr], st, st == n_st - 1, mine + (rr * kStages + st % kStages) * pitch, lane);
+        stage_copy(ig[rr], is_st, is_st == n_st - 1, mine + (rr * kStages + is_slot) * pitch, lane);
+      if (++is_st == n_st) {
+        is_st = 0;
+        is_cb += step;
+        if (is_cb < n_cb) {
+          MvWeight w;
+          int64_t o;
+          rows_of<RPG>(p, is_cb, warp, w, o, ig);
+        }
+      }
     }
+    is_slot = is_slot + 1 == kStages ? 0 : is_slot + 1;
     cp_commit();  // (an empty group past the end keeps the count uniform)
   };
 #pragma unroll
-  for (int st = 0; st < kStages - 1; ++st) issue(st);  // weights only: before the wait
+  for (int st = 0; st < kStages - 1; ++st) issue();  // weights only: before the wait
 
   gpu_grid_wait();
   gpu_grid_launch_dependents();
 
   // inv_r = 1/sqrt(mean(x_r^2) + eps): one fixed-order CTA reduction per row (threads over
   // K in float4 steps, every row's loads in flight together), the same in every CTA and for
-  // every n
+  // every n. Digit path with one window: the digits are written here, in the same pass over x.
+  uint8_t* dig = smem + p.ring_bytes;  // the digit window (p.win > 0)
+  const bool one_window = p.win >= K;
   if (p.norm_w != nullptr) {
     float ss[NR];
 #pragma unroll
     for (int r = 0; r < NR; ++r) ss[r] = 0.f;
-    for (int64_t k = 4 * threadIdx.x; k < K; k += 4 * kThreads) {
+    if (one_window) {
+      digits_prep<NR>(p, xoff, 0, (int)K, dig, ss);
+    } else {
+      for (int64_t k = 4 * threadIdx.x; k < K; k += 4 * kThreads) {
 #pragma unroll
-      for (int r = 0; r < NR; ++r) ss[r] = add_squares(ldg4(p.x + xoff[r] + k), ss[r]);
+        for (int r = 0; r < NR; ++r) ss[r] = add_squares(ldg4(p.x + xoff[r] + k), ss[r]);
+      }
     }
 #pragma unroll
     for (int r = 0; r < NR; ++r) {
       const float t = block_sum(ss[r], red);
       if (threadIdx.x == 0) inv[r] = rsqrtf(t / (float)K + p.eps);
     }
-  } else if (threadIdx.x < NR) {
-    inv[threadIdx.x] = 1.f;
+  } else {
+    if (one_window) digits_prep<NR>(p, xoff, 0, (int)K, dig, nullptr);
+    if (threadIdx.x < NR) inv[threadIdx.x] = 1.f;
   }
+  __syncthreads();  // inv[] and the digits are visible
 
-  float acc[RPG][NR];
+  int slot = 0;  // ring slot of the stage being read
+  for (int cb = blockIdx.x; cb < n_cb; cb += step) {
+    MvWeight w0;
+    int64_t o_first;
+    GgmlType type[RPG];
+    int32_t mis[RPG], sb[RPG];  // a row's misalignment mod 16 at stage st: mis + st * sb
+    {
+      GroupRow gr[RPG];
+      rows_of<RPG>(p, cb, warp, w0, o_first, gr);
 #pragma unroll
-  for (int rr = 0; rr < RPG; ++rr)
+      for (int rr = 0; rr < RPG; ++rr) {
+        type[rr] = gr[rr].type;
+        mis[rr] = (int32_t)((uintptr_t)gr[rr].src & 15);
+        sb[rr] = gr[rr].sb;
+      }
+    }
+    bool mixed = false;
 #pragma unroll
-    for (int r = 0; r < NR; ++r) acc[rr][r] = 0.f;
-  bool mixed = false;
-#pragma unroll
-  for (int rr = 1; rr < RPG; ++rr) mixed |= type[rr] != type[0];
-
-  for (int st = 0; st < n_st; ++st) {
-    cp_wait<kStages - 2>();  // stage st has landed (this lane's copies)
-    group_sync();            // ... everyone's; and buffer (st-1) % kStages is free again
-    issue(st + kStages - 1);
-    const int64_t k0 = (int64_t)st * se;
-    const int n_pc = (int)(min((int64_t)se, K - k0) / 8);  // pieces in this stage
-    const uint8_t* base[RPG];
+    for (int rr = 1; rr < RPG; ++rr) mixed |= type[rr] != type[0];
+    float acc[RPG][NR];
 #pragma unroll
     for (int rr = 0; rr < RPG; ++rr)
-      base[rr] = mine + (rr * kStages + st % kStages) * pitch + ((uintptr_t)(gr[rr].src + (size_t)st * gr[rr].sb) & 15);
-    if constexpr (RPG >= 2) {
-      if (mixed) {
-        stage_dot_mixed<NR, RPG>(p, type, base, n_pc, k0, xoff, acc, lane);
-        continue;
+#pragma unroll
+      for (int r = 0; r < NR; ++r) acc[rr][r] = 0.f;
+
+    for (int st = 0; st < n_st; ++st) {
+      const int64_t k0 = (int64_t)st * se;
+      if (p.win > 0 && !one_window && k0 % p.win == 0) {  // a new digit window (every thread)
+        __syncthreads();                                 // ... once everyone is done with the last
+        digits_prep<NR>(p, xoff, k0, (int)min((int64_t)p.win, K - k0), dig, nullptr);
+        __syncthreads();
       }
+      cp_wait<kStages - 2>();  // stage st has landed (this lane's copies)
+      group_sync();            // ... everyone's; and the slot read last is free again
+      issue();
+      const int n_pc = (int)(min((int64_t)se, K - k0) / 8);  // pieces in this stage
+      const uint8_t* base[RPG];
+#pragma unroll
+      for (int rr = 0; rr < RPG; ++rr)
+        base[rr] = mine + (rr * kStages + slot) * pitch + ((mis[rr] + st * sb[rr]) & 15);
+      slot = slot + 1 == kStages ? 0 : slot + 1;
+      if constexpr (RPG >= 2) {
+        if (mixed) {
+          stage_dot_mixed<NR, RPG>(p, type, base, n_pc, k0, xoff, dig, acc, lane);
+          continue;
+        }
+      }
+      with_type(type[0],
+                [&](auto tag) { any_stage<decltype(tag)::value, NR, RPG>(p, base, n_pc, k0, xoff, dig, acc, lane); });
     }
-    with_type(type[0], [&](auto tag) { stage_dot<decltype(tag)::value, NR, RPG>(p, base, n_pc, k0, xoff, acc, lane); });
+
+    // ---- reduce over the group, epilogue (one lane per value)
+#pragma unroll
+    for (int rr = 0; rr < RPG; ++rr)
+#pragma unroll
+      for (int r = 0; r < NR; ++r) acc[rr][r] = group_sum(acc[rr][r]) * inv[r];
+#pragma unroll
+    for (int rr = 0; rr < RPG; ++rr)
+#pragma unroll
+      for (int r = 0; r < NR; ++r) {
+        if (lane != (rr * NR + r) % kGroup || row0 + r >= p.n) continue;
+        float* yr = p.y + (row0 + r) * p.ldy;
+        if (swiglu) {
+          if constexpr (RPG % 2 == 0) {
+            const int64_t o = o_first + rr / 2;
+            if ((rr & 1) || o >= p.w[0].n_out) continue;
+            float g = acc[rr][r], u = acc[rr | 1][r];
+            if (p.w[0].bias) g += p.w[0].bias[o];
+            if (p.w[1].bias) u += p.w[1].bias[o];
+            yr[o] = g / (1.f + __expf(-g)) * u;
+          }
+        } else {
+          const int64_t o = o_first + rr;
+          if (o >= w0.n_out) continue;
+          float v = acc[rr][r];
+          if (w0.bias) v += w0.bias[o];
+          if (p.ep == Epilogue::Accumulate) yr[w0.col + o] += v;
+          else yr[w0.col + o] = v;
+        }
+      }
   }
   cp_wait<0>();
-  __syncthreads();  // inv[] is visible (written before this barrier)
-
-  // ---- reduce over the group, epilogue (one lane per value)
-#pragma unroll
-  for (int rr = 0; rr < RPG; ++rr)
-#pragma unroll
-    for (int r = 0; r < NR; ++r) acc[rr][r] = group_sum(acc[rr][r]) * inv[r];
-#pragma unroll
-  for (int rr = 0; rr < RPG; ++rr)
-#pragma unroll
-    for (int r = 0; r < NR; ++r) {
-      if (lane != (rr * NR + r) % kGroup || row0 + r >= p.n) continue;
-      float* yr = p.y + (row0 + r) * p.ldy;
-      if (swiglu) {
-        if constexpr (RPG % 2 == 0) {
-          const int64_t o = o_first + rr / 2;
-          if ((rr & 1) || o >= p.w[0].n_out) continue;
-          float g = acc[rr][r], u = acc[rr | 1][r];
-          if (p.w[0].bias) g += p.w[0].bias[o];
-          if (p.w[1].bias) u += p.w[1].bias[o];
-          yr[o] = g / (1.f + __expf(-g)) * u;
-        }
-      } else {
-        const int64_t o = o_first + rr;
-        if (o >= w0.n_out) continue;
-        float v = acc[rr][r];
-        if (w0.bias) v += w0.bias[o];
-        if (p.ep == Epilogue::Accumulate) yr[w0.col + o] += v;
-        else yr[w0.col + o] = v;
-      }
-    }
 }
 
 // ---- embed_rows: out[i, :] = dequantized row tokens[i]; one CTA per token, one piece per
@@ -507,6 +731,13 @@ void launch_matvec(const MvParams& p, int ctas, size_t smem, gpuStream_t s) {
     SPECD_GPU_CHECK(gpuFuncSetAttribute((matvec_kernel<NR, RPG>), gpuFuncAttributeMaxDynamicSharedMemorySize,
                                         (int)max_smem(RPG)));
   });
+  // persistent CTAs: as many as fit at once (SPECD_GPU_PERSIST=0: one per block of rows)
+  static const bool persist = env_value("SPECD_GPU_PERSIST") != "0";
+  if (persist) {
+    int per_sm = 0;
+    SPECD_GPU_CHECK(gpuOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, (matvec_kernel<NR, RPG>), kThreads, smem));
+    ctas = (int)std::min<int64_t>(ctas, (int64_t)std::max(per_sm, 1) * dev_limits().sms);
+  }
   const dim3 grid((unsigned)ctas, (unsigned)ceil_div(p.n, NR));
   gpu_launch("matvec_kernel", matvec_kernel<NR, RPG>, grid, dim3(kThreads), smem, s, p);
 }
@@ -568,8 +799,20 @@ void linear(const LinearArgs& a, gpuStream_t s) {
     p.pitch = std::max(p.pitch, stage_pitch(m.type, se));
   }
   SPECD_CHECK(ctas < (int64_t)1 << 31, "linear: too many output rows");
+  p.n_cb = (int32_t)ctas;
   SPECD_CHECK(a.n * K < (int64_t)1 << 31, "linear: x has more than 2^31 elements");
-  const size_t smem = (size_t)kStages * kWarps * rpg * p.pitch;
+  p.ring_bytes = kStages * kWarps * rpg * p.pitch;
+  size_t smem = (size_t)p.ring_bytes;
+  static const bool digits = env_value("SPECD_GPU_DIGITS") != "0";  // "0": the float path for all types
+  bool any_int = false;
+  for (int j = 0; j < a.n_w; ++j) any_int |= int_type(a.w[j]->type);
+  // The digit path serves engines that do not speculate (a.tensor_cores false): one decode
+  // step costs less there, a verify of 4-16 rows more (each CTA rounds every row of x).
+  if (digits && any_int && !a.tensor_cores) {  // (K % 32 == 0: the integer types' blocks)
+    const int64_t most = (int64_t)kDigitBytes * 8 / (27 * nr) / se * se;  // digit_row_bytes(w) = 27w/8
+    p.win = (int32_t)std::min(ceil_div(K, se) * se, most);
+    smem += (size_t)nr * digit_row_bytes(p.win);
+  }
   switch (nr) {
     case 1: launch_matvec<1>(p, rpg, (int)ctas, smem, s); break;
     case 2: launch_matvec<2>(p, rpg, (int)ctas, smem, s); break;

@@ -53,6 +53,11 @@ __device__ __forceinline__ void cp_async16_n(void* smem, const void* src, int by
   const uint32_t a = (uint32_t)__cvta_generic_to_shared(smem);
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(a), "l"(src), "r"(bytes) : "memory");
 }
+// All 16 bytes (no source-size operand: the cheapest form).
+__device__ __forceinline__ void cp_async16_all(void* smem, const void* src) {
+  const uint32_t a = (uint32_t)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(a), "l"(src) : "memory");
+}
 // All 16 bytes, or zeros when !valid (src is then not read).
 __device__ __forceinline__ void cp_async16(void* smem, const void* src, bool valid) {
   cp_async16_n(smem, src, valid ? 16 : 0);

@@ -315,6 +315,109 @@ struct Dec<GgmlType::Q6_K> {
   }
 };
 
+// ---- integer readers (matvec.cu's digit path: Q8_0, Q4_K, Q6_K)
+//
+// The small path multiplies these types' integer weights with x held as exact integer
+// DIGITS (matvec.cu: each 32-element block of x is rounded to integers X of at most 23 bits
+// on the block's power-of-two grid, X = D0 2^16 + D1 2^8 + D2 with D0 a signed and D1, D2
+// unsigned bytes). A lane reads 32 weights of a row per stage as two RUNS of 16 consecutive
+// elements (one scale each): q holds each run's bytes as four words of 4 consecutive
+// elements, k[j] the run's first element relative to the stage. Per run, w = s*q (+ m for
+// Q4_K's minimum): s includes the power of two the bytes carry (Q4_K's high nibbles are
+// read in place, 16q; Q6_K's bytes are 4(q-32)).
+struct IntRuns {
+  uint32_t q[8];  // run 0: q[0..3], run 1: q[4..7]
+  float s[2], m[2];
+  int k[2];
+};
+
+template <GgmlType T>
+struct IntDec;  // kSigned: whether the bytes are int8 (else uint8); lanes(elems): lanes busy
+
+// 4 words at a 2-byte aligned address: 5 aligned loads and funnel shifts.
+__device__ __forceinline__ void ld_words_a2(const uint8_t* p, uint32_t* out, int n) {
+  const uint8_t* a = reinterpret_cast<const uint8_t*>((uintptr_t)p & ~(uintptr_t)3);
+  const int sh = (int)((uintptr_t)p & 2) * 8;
+  uint32_t lo = ld_u32(a);
+  for (int i = 0; i < n; ++i) {
+    const uint32_t hi = ld_u32(a + 4 * i + 4);
+    out[i] = (uint32_t)((((uint64_t)hi << 32) | lo) >> sh);
+    lo = hi;
+  }
+}
+
+// Lane l: block l (34 bytes); runs = its two halves, scale d.
+template <>
+struct IntDec<GgmlType::Q8_0> {
+  static constexpr bool kSigned = true;
+  __device__ static bool busy(int lane, int elems) { return 32 * lane < elems; }
+  __device__ static void load(const uint8_t* stage, int lane, IntRuns& r) {
+    const uint8_t* b = stage + 34 * lane;
+    ld_words_a2(b + 2, r.q, 8);
+    r.s[0] = r.s[1] = f16_at(b);
+    r.m[0] = r.m[1] = 0.f;
+    r.k[0] = 32 * lane;
+    r.k[1] = 32 * lane + 16;
+  }
+};
+
+// Lane l: block l/8, qs group g = (l/2)%4, half h = l%2: bytes 16 + 32g + 16h .. +15, whose
+// low nibbles are elements 64g + 16h .. (sub-block 2g) and high nibbles 64g + 32 + 16h ..
+// (sub-block 2g + 1).
+template <>
+struct IntDec<GgmlType::Q4_K> {
+  static constexpr bool kSigned = false;
+  __device__ static bool busy(int lane, int elems) { return 256 * (lane >> 3) < elems; }
+  __device__ static void load(const uint8_t* stage, int lane, IntRuns& r) {
+    const int g = (lane >> 1) & 3, h = lane & 1;
+    const uint8_t* b = stage + 144 * (lane >> 3);
+    const uint32_t dd = ld_u32(b);
+    const float d = f16_bits(dd & 0xFFFF), dmin = f16_bits(dd >> 16);
+    uint32_t sc, mn;
+    kquant_pair(b + 4, g, sc, mn);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t v = ld_u32(b + 16 + 32 * g + 16 * h + 4 * i);
+      r.q[i] = v & 0x0F0F0F0Fu;
+      r.q[4 + i] = v & 0xF0F0F0F0u;  // 16q
+    }
+    r.s[0] = d * small_int(sc & 0xFF);
+    r.s[1] = d * small_int(sc >> 8) * 0.0625f;
+    r.m[0] = -(dmin * small_int(mn & 0xFF));
+    r.m[1] = -(dmin * small_int(mn >> 8));
+    r.k[0] = 256 * (lane >> 3) + 64 * g + 16 * h;
+    r.k[1] = r.k[0] + 32;
+  }
+};
+
+// Lane l: block l/8, half h = (l/4)%2, m = l%4: ql bytes 64h + 16m .. +15 (low nibbles:
+// elements 128h + 16m .., high: 128h + 64 + 16m ..) and qh bytes 32h + 16(m%2) .. +15 (bits
+// 2(m/2) and 2(m/2) + 4 of each). Byte = ((q << 2) ^ 0x80) as int8 = 4(q - 32).
+template <>
+struct IntDec<GgmlType::Q6_K> {
+  static constexpr bool kSigned = true;
+  __device__ static bool busy(int lane, int elems) { return 256 * (lane >> 3) < elems; }
+  __device__ static void load(const uint8_t* stage, int lane, IntRuns& r) {
+    const int h = (lane >> 2) & 1, m = lane & 3, sh = 2 * (m >> 1);
+    const uint8_t* b = stage + 210 * (lane >> 3);
+    uint32_t ql[4], qh[4];
+    ld_words_a2(b + 64 * h + 16 * m, ql, 4);
+    ld_words_a2(b + 128 + 32 * h + 16 * (m & 1), qh, 4);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      r.q[i] = (((ql[i] << 2) & 0x3C3C3C3Cu) | ((qh[i] << (6 - sh)) & 0xC0C0C0C0u)) ^ 0x80808080u;
+      r.q[4 + i] = (((ql[i] >> 2) & 0x3C3C3C3Cu) | ((qh[i] << (2 - sh)) & 0xC0C0C0C0u)) ^ 0x80808080u;
+    }
+    const float d = f16_at(b + 208) * 0.25f;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192 + 8 * h + m);
+    r.s[0] = d * (float)sc[0];
+    r.s[1] = d * (float)sc[4];
+    r.m[0] = r.m[1] = 0.f;
+    r.k[0] = 256 * (lane >> 3) + 128 * h + 16 * m;
+    r.k[1] = r.k[0] + 64;
+  }
+};
+
 // The exact weights of a piece (== ops.dequantize).
 template <Form F>
 __device__ __forceinline__ void dequant(const Piece& p, float* w) {

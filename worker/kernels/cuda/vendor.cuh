@@ -7,6 +7,7 @@
 // on NVIDIA and on RDNA (wave32), and half a wavefront on CDNA (wave64, gfx90a/gfx94x);
 // block sizes are multiples of 64 so both wave sizes tile them exactly.
 #pragma once
+#include <cstdint>
 
 #if defined(__HIPCC__) || defined(__HIP_PLATFORM_AMD__)
 #define SPECD_HIP 1
@@ -187,6 +188,28 @@ __device__ __forceinline__ T gpu_shfl_xor(T v, int mask) {
   return __shfl_xor(v, mask, kGroup);
 #else
   return __shfl_xor_sync(0xffffffffu, v, mask, kGroup);
+#endif
+}
+
+// c + the dot product of the four bytes of a and of b (int8 when the flag says signed, else
+// uint8): dp4a on NVIDIA sm_61+; plain integer arithmetic elsewhere (the same exact sum).
+template <bool kASigned, bool kBSigned>
+__device__ __forceinline__ int gpu_dot4(uint32_t a, uint32_t b, int c) {
+#if !SPECD_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 610
+  int r;
+  if constexpr (kASigned && kBSigned) asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+  else if constexpr (kASigned) asm("dp4a.s32.u32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+  else if constexpr (kBSigned) asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+  else asm("dp4a.u32.u32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+  return r;
+#else
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int x = kASigned ? (int)(int8_t)(a >> 8 * i) : (int)((a >> 8 * i) & 0xFF);
+    const int y = kBSigned ? (int)(int8_t)(b >> 8 * i) : (int)((b >> 8 * i) & 0xFF);
+    c += x * y;
+  }
+  return c;
 #endif
 }
 
