@@ -273,8 +273,8 @@ def test_small_path_is_batch_invariant(qtype: T, rng: np.random.Generator) -> No
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0, T.Q5_0, T.F16], ids=lambda t: t.name)
 def test_batch_invariant_across_cta_shapes(qtype: T, rng: np.random.Generator) -> None:
     # 3201 rows: 8 or 16 weight rows per CTA for tiles of up to 4 rows of x, 16 or 32 for tiles
-    # of 8 and 16 (n = 12: one tile of 16; n = 4: one of 4): the launch shape changes, the rows
-    # must not.
+    # of 8 and 16 (n = 12: one tile of 16; n = 4: one of 4; the digit reader of Q4_K, Q6_K and
+    # Q8_0 takes tiles of at most 4): the launch shape changes, the rows must not.
     n_in, n_out = 256, 3201
     w = random_weight(rng, qtype, n_out, n_in)
     x = rng.standard_normal((40, n_in), dtype=np.float32)

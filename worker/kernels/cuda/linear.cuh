@@ -57,8 +57,8 @@ struct LinearArgs {
   // one choice: a model makes it once.
   // SPECD_GPU_TC overrides it for benchmarks: "0" never, "f16" F16 always, "all" also Q8_0,
   // Q4_K, Q6_K always. On the CUDA cores, false also selects the digit reader for Q8_0 / Q4_K /
-  // Q6_K (a decode step of the 8B Q4_K_M ~15 % faster, a verify of 16 ~30 % slower: matvec.cu);
-  // SPECD_GPU_DIGITS=0 turns it off.
+  // Q6_K (a decode step of the 8B Q4_K_M ~20 % faster; a verify of 16 was ~50 % slower with
+  // 16-row tiles, now tiles of 4: matvec.cu); SPECD_GPU_DIGITS=0 turns it off.
   bool tensor_cores = false;
   // Workspace of the large path (n > kMaxSmallBatch): device memory of at least
   // linear_work_bytes(n, K) bytes, 16-byte aligned, not used by anything else during the call

@@ -69,6 +69,7 @@ constexpr int max_pitch() {
 constexpr int kDigitBytes = 64 << 10;
 constexpr int digit_row_bytes(int win) { return 3 * win + win / 8 + win / 4; }
 constexpr bool int_type(GgmlType t) { return t == GgmlType::Q8_0 || t == GgmlType::Q4_K || t == GgmlType::Q6_K; }
+constexpr int kMaxDigitTile = 4;  // calls on the digit path take tiles of at most 4 rows of x
 // Largest shared memory of a CTA with RPG rows per group: staging (52 KiB (Q8_0) per 2 rows)
 // and the digit window.
 constexpr size_t max_smem(int rpg) { return (size_t)kStages * kWarps * rpg * max_pitch() + kDigitBytes; }
@@ -403,7 +404,7 @@ template <GgmlType T, int NR, int RPG>
 __device__ __forceinline__ void any_stage(const MvParams& p, const uint8_t* const (&base)[RPG], int n_pc, int64_t k0,
                                           const int32_t (&xoff)[NR], const uint8_t* dig, float (&acc)[RPG][NR],
                                           int lane) {
-  if constexpr (int_type(T)) {
+  if constexpr (int_type(T) && NR <= kMaxDigitTile) {
     if (p.win > 0) {
       int_stage<T, NR, RPG>(base, 8 * n_pc, (int)(k0 % p.win), dig, p.win, acc, lane);
       return;
@@ -526,7 +527,7 @@ __global__ void __launch_bounds__(kThreads, mv_min_blocks(NR, RPG)) matvec_kerne
 #pragma unroll
     for (int r = 0; r < NR; ++r) ss[r] = 0.f;
     if (one_window) {
-      digits_prep<NR>(p, xoff, 0, (int)K, dig, ss);
+      if constexpr (NR <= kMaxDigitTile) digits_prep<NR>(p, xoff, 0, (int)K, dig, ss);
     } else {
       for (int64_t k = 4 * threadIdx.x; k < K; k += 4 * kThreads) {
 #pragma unroll
@@ -539,7 +540,8 @@ __global__ void __launch_bounds__(kThreads, mv_min_blocks(NR, RPG)) matvec_kerne
       if (threadIdx.x == 0) inv[r] = rsqrtf(t / (float)K + p.eps);
     }
   } else {
-    if (one_window) digits_prep<NR>(p, xoff, 0, (int)K, dig, nullptr);
+    if constexpr (NR <= kMaxDigitTile)
+      if (one_window) digits_prep<NR>(p, xoff, 0, (int)K, dig, nullptr);
     if (threadIdx.x < NR) inv[threadIdx.x] = 1.f;
   }
   __syncthreads();  // inv[] and the digits are visible
@@ -573,7 +575,7 @@ __global__ void __launch_bounds__(kThreads, mv_min_blocks(NR, RPG)) matvec_kerne
       const int64_t k0 = (int64_t)st * se;
       if (p.win > 0 && !one_window && k0 % p.win == 0) {  // a new digit window (every thread)
         __syncthreads();                                 // ... once everyone is done with the last
-        digits_prep<NR>(p, xoff, k0, (int)min((int64_t)p.win, K - k0), dig, nullptr);
+        if constexpr (NR <= kMaxDigitTile) digits_prep<NR>(p, xoff, k0, (int)min((int64_t)p.win, K - k0), dig, nullptr);
         __syncthreads();
       }
       cp_wait<kStages - 2>();  // stage st has landed (this lane's copies)
@@ -775,7 +777,14 @@ void linear(const LinearArgs& a, gpuStream_t s) {
   }
   if (tc_linear(a, s)) return;
   const int64_t K = a.w[0]->n_in;
-  const int nr = std::min<int>(max_tile(), a.n <= 1 ? 1 : a.n <= 2 ? 2 : a.n <= 4 ? 4 : a.n <= 8 ? 8 : 16);
+  // The digit reader serves engines that do not speculate (a.tensor_cores false): one decode
+  // step costs less there, a verify of 4-16 rows more (each CTA rounds every row of x).
+  static const bool digits = env_value("SPECD_GPU_DIGITS") != "0";  // "0": the float reader for all types
+  bool any_int = false;
+  for (int j = 0; j < a.n_w; ++j) any_int |= int_type(a.w[j]->type);
+  const bool use_digits = digits && any_int && !a.tensor_cores;  // (K % 32 == 0: the integer types' blocks)
+  const int nr = std::min({max_tile(), use_digits ? kMaxDigitTile : 16,
+                           a.n <= 1 ? 1 : a.n <= 2 ? 2 : a.n <= 4 ? 4 : a.n <= 8 ? 8 : 16});
   const int64_t tiles = ceil_div(a.n, nr);
   // Weight rows per group: tiles of up to 4 x rows take 2 (16 rows per CTA) unless that
   // leaves fewer than ~2 CTAs per SM; tiles of 8 and 16 take 4 (each x load feeds 4 rows)
@@ -803,12 +812,7 @@ void linear(const LinearArgs& a, gpuStream_t s) {
   SPECD_CHECK(a.n * K < (int64_t)1 << 31, "linear: x has more than 2^31 elements");
   p.ring_bytes = kStages * kWarps * rpg * p.pitch;
   size_t smem = (size_t)p.ring_bytes;
-  static const bool digits = env_value("SPECD_GPU_DIGITS") != "0";  // "0": the float path for all types
-  bool any_int = false;
-  for (int j = 0; j < a.n_w; ++j) any_int |= int_type(a.w[j]->type);
-  // The digit path serves engines that do not speculate (a.tensor_cores false): one decode
-  // step costs less there, a verify of 4-16 rows more (each CTA rounds every row of x).
-  if (digits && any_int && !a.tensor_cores) {  // (K % 32 == 0: the integer types' blocks)
+  if (use_digits) {
     const int64_t most = (int64_t)kDigitBytes * 8 / (27 * nr) / se * se;  // digit_row_bytes(w) = 27w/8
     p.win = (int32_t)std::min(ceil_div(K, se) * se, most);
     smem += (size_t)nr * digit_row_bytes(p.win);
