@@ -332,9 +332,10 @@ struct IntRuns {
 };
 
 template <GgmlType T>
-struct IntDec;  // kSigned: whether the bytes are int8 (else uint8); lanes(elems): lanes busy
+struct IntDec;  // kSigned: whether the bytes are int8 (else uint8); busy(lane, elems): the lane
+                // has weights in a stage of `elems` elements; load(): its two runs
 
-// 4 words at a 2-byte aligned address: 5 aligned loads and funnel shifts.
+// n words at a 2-byte aligned address: n + 1 aligned loads and funnel shifts.
 __device__ __forceinline__ void ld_words_a2(const uint8_t* p, uint32_t* out, int n) {
   const uint8_t* a = reinterpret_cast<const uint8_t*>((uintptr_t)p & ~(uintptr_t)3);
   const int sh = (int)((uintptr_t)p & 2) * 8;
