@@ -316,6 +316,33 @@ def test_fused_norm_and_swiglu_are_batch_invariant(rng: np.random.Generator) -> 
         np.testing.assert_array_equal(batched.view(np.uint32), alone.view(np.uint32))
 
 
+# ---- every weight Q4_K (matvec_q4k.cu: the digit reader with the weights loaded straight
+# into registers, persistent CTAs taking blocks of 16 rows; tiles of 1, 2 or 4 rows of x)
+
+@pytest.mark.parametrize("n_in, rows", [(256, (9001, 2250, 33)), (2304, (700, 70, 5)), (12288, (40, 9, 3))],
+                         ids=["k256-many-blocks", "k2304", "k12288"])
+def test_q4k_store_accumulate_swiglu(n_in: int, rows: tuple[int, int, int], rng: np.random.Generator) -> None:
+    # Three Q4_K weights side by side (more blocks of rows than persistent CTAs for K = 256,
+    # a partial last 2048-element step for 2304, 12288 = the 8B's down projection), two
+    # biases; then Accumulate and SwiGLU with the fused norm. Against float64, and every row
+    # bit-equal to the same row computed alone (n = 6 takes tiles of 4 and 2, n = 1 tiles of 1).
+    x = rng.standard_normal((6, n_in), dtype=np.float32)
+    ws = [(T.Q4_K, random_weight(rng, T.Q4_K, m, n_in), m, n_in) for m in rows]
+    biases = [rng.standard_normal(rows[0], dtype=np.float32), None, rng.standard_normal(rows[2], dtype=np.float32)]
+    y = gpu(ws, biases, x)
+    check_store(y, x, ws, biases, lambda x64, aw: small_bound(np.abs(x64), aw), f"q4k K={n_in}")
+    np.testing.assert_array_equal(y[:2].view(np.uint32), rows_alone(ws, biases, x[:2]).view(np.uint32))
+    np.testing.assert_array_equal(y[1:3].view(np.uint32), gpu(ws, biases, x[1:3]).view(np.uint32))
+    check_norm_swiglu_accumulate(rng, 5, n_in, T.Q4_K, lambda x64, aw, e: small_bound(np.abs(x64), aw, e), 0, "q4k")
+    m = rows[1]
+    gate_up = [ws[1], (T.Q4_K, random_weight(rng, T.Q4_K, m, n_in), m, n_in)]
+    norm_w = rng.uniform(0.5, 1.5, n_in).astype(np.float32)
+    kw = dict(norm_w=norm_w, eps=1e-6, epilogue=2)
+    xs = x / np.sqrt(n_in)
+    np.testing.assert_array_equal(gpu(gate_up, [None, None], xs, **kw)[4:].view(np.uint32),
+                                  rows_alone(gate_up, [None, None], xs[4:], **kw).view(np.uint32))
+
+
 # ---- epilogues, biases, several weights, fused norm (both paths)
 
 def swiglu64(g: np.ndarray, u: np.ndarray) -> np.ndarray:

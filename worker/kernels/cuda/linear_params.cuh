@@ -72,5 +72,64 @@ int64_t fill_params(P& p, const LinearArgs& a, int64_t rows) {
   return cta_count(a, rows);
 }
 
+// ---- the CUDA-core small-path kernels (matvec.cu, matvec_q4k.cu): a CTA of `warps` groups,
+// each owning RPG weight rows of a CTA-sized block cb of the call's rows.
+
+// Group `warp`'s rows in block cb: weight j0 and output o_first (Store / Accumulate: rows
+// o_first + rr of weight j0; SwiGLU (RPG even): outputs o_first + j, j < RPG/2, as gate row
+// rr = 2j of weight 0 and up row 2j + 1 of weight 1); row rr's bytes start at src[rr]
+// (rows past a weight's end are clamped to its last row; their results are dropped).
+template <int RPG, class P>
+__device__ __forceinline__ void group_rows(const P& p, int cb, int warp, int warps, int& j0, int64_t& o_first,
+                                           const uint8_t* (&src)[RPG]) {
+  const bool swiglu = p.ep == Epilogue::SwiGLU;
+  j0 = 0;
+  if (swiglu) {
+    o_first = ((int64_t)cb * warps + warp) * (RPG / 2);
+  } else {
+    if (p.n_w > 1 && cb >= p.w[1].cta0) j0 = 1;
+    if (p.n_w > 2 && cb >= p.w[2].cta0) j0 = 2;
+    o_first = (int64_t)(cb - p.w[j0].cta0) * warps * RPG + (int64_t)warp * RPG;
+  }
+#pragma unroll
+  for (int rr = 0; rr < RPG; ++rr) {
+    const auto& w = p.w[swiglu ? (rr & 1) : j0];
+    const int64_t o = min(swiglu ? o_first + rr / 2 : o_first + rr, w.n_out - 1);
+    src[rr] = w.data + (size_t)o * w.stride;
+  }
+}
+
+// The group's results (acc: reduced over the group, times the norm factor) into y for the
+// tile's rows row0 .. row0 + NR - 1 (< n), one lane per value, with bias and epilogue.
+template <int RPG, int NR, class P>
+__device__ __forceinline__ void group_store(const P& p, int lane, int64_t row0, int j0, int64_t o_first,
+                                            const float (&acc)[RPG][NR]) {
+  const auto& w0 = p.w[j0];
+#pragma unroll
+  for (int rr = 0; rr < RPG; ++rr)
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {
+      if (lane != (rr * NR + r) % kGroup || row0 + r >= p.n) continue;
+      float* yr = p.y + (row0 + r) * p.ldy;
+      if (p.ep == Epilogue::SwiGLU) {
+        if constexpr (RPG % 2 == 0) {
+          const int64_t o = o_first + rr / 2;
+          if ((rr & 1) || o >= p.w[0].n_out) continue;
+          float g = acc[rr][r], u = acc[rr | 1][r];
+          if (p.w[0].bias) g += p.w[0].bias[o];
+          if (p.w[1].bias) u += p.w[1].bias[o];
+          yr[o] = g / (1.f + __expf(-g)) * u;
+        }
+      } else {
+        const int64_t o = o_first + rr;
+        if (o >= w0.n_out) continue;
+        float v = acc[rr][r];
+        if (w0.bias) v += w0.bias[o];
+        if (p.ep == Epilogue::Accumulate) yr[w0.col + o] += v;
+        else yr[w0.col + o] = v;
+      }
+    }
+}
+
 }  // namespace gpu
 }  // namespace specd

@@ -30,6 +30,7 @@
 #include <mutex>
 #include <string>
 
+#include "cuda/digits.cuh"
 #include "cuda/linear.cuh"
 #include "cuda/linear_params.cuh"
 #include "cuda/mma.cuh"
@@ -42,6 +43,7 @@ namespace gpu {
 
 void matmul_large(const LinearArgs& a, gpuStream_t s);  // matmul.cu: n > kMaxSmallBatch
 bool tc_linear(const LinearArgs& a, gpuStream_t s);     // matvec_tc.cu: tensor cores, n <= kMaxSmallBatch
+bool q4k_linear(const LinearArgs& a, gpuStream_t s);    // matvec_q4k.cu: Q4_K digits, n <= kMaxSmallBatch
 
 namespace {
 
@@ -272,17 +274,13 @@ __device__ __forceinline__ void stage_dot(const MvParams& p, const uint8_t* cons
 
 // ---- the digit path (Q8_0, Q4_K, Q6_K): integer weights times x in exact integer digits
 //
-// Each 32-element block b of a row of x (times the norm weight, when fused) is rounded once
-// to integers on the power-of-two grid of its largest element: X_k = round(x_k 2^(22-E_b))
-// with |x_k| < 2^E_b over the block, so |X_k| <= 2^22 and the error is at most 2^(E_b-23)
-// (the float32 rounding of the block's largest element). X = D0 2^16 + D1 2^8 + D2 is kept
-// as three byte planes (D0 = X >> 16 signed, D1 and D2 unsigned), and a run of 16 weights
-// (IntRuns, quants.cuh) gives the exact integer sums S_t = sum q D_t, four dp4a per plane;
-// S = S0 2^16 + S1 2^8 + S2 is rounded to float (at most twice), times xs_b = 2^(E_b-22)
-// (exact), times the run's scale in the accumulating fma (one rounding), and Q4_K adds its
-// minimum times the run's sum of X xs_b (one more fma). Integer sums are exact in any
-// order, so a row's float operations still depend only on its weights and K: batch
-// invariance holds as on the float path.
+// x times the norm weight is rounded once per 32-element block to 23-bit integer digits in
+// three byte planes (cuda/digits.cuh), and a run of 16 weights (IntRuns, quants.cuh) gives
+// the exact integer sums S_t = sum q D_t, four dp4a per plane; S = S0 2^16 + S1 2^8 + S2 is
+// rounded to float (at most twice), times xs_b = 2^(E_b-22) (exact), times the run's scale
+// in the accumulating fma (one rounding), and Q4_K adds its minimum times the run's sum of X
+// xs_b (one more fma). Integer sums are exact in any order, so a row's float operations
+// still depend only on its weights and K: batch invariance holds as on the float path.
 //
 // Window: the digits of the tile's NR rows for `win` K elements (all of K where that fits
 // in kDigitBytes) live in shared memory after the staging ring; all threads of the CTA
@@ -292,34 +290,18 @@ __device__ __forceinline__ void stage_dot(const MvParams& p, const uint8_t* cons
 // The digits of 4 elements of one row (v: x times norm_w) into the window row d at unit u
 // (elements 4u .. 4u + 3): 8 consecutive lanes hold a block, 4 a run; `on` = the unit exists
 // (every lane takes part in the shuffles).
-__device__ __forceinline__ void digits4(const float (&v)[4], bool on, int u, uint8_t* d, int win) {
-  // the block's largest |v| as bits (integer order: NaN > inf > finite, so both show)
-  uint32_t big = 0;
-#pragma unroll
-  for (int e = 0; e < 4; ++e) big = max(big, __float_as_uint(v[e]) & 0x7FFFFFFFu);
-  big = max(big, gpu_shfl_xor(big, 1));
-  big = max(big, gpu_shfl_xor(big, 2));
-  big = max(big, gpu_shfl_xor(big, 4));
-  // biased exponent ef: |v| < 2^(ef-126), so v 2^(148-ef) < 2^22; xs = 2^(ef-148) (blocks
-  // below 2^-104 share the grid of 2^-104: xs stays normal), NaN for inf or NaN in the block
-  const uint32_t ef = max(big >> 23, 22u);
-  const float scale = __uint_as_float((275u - ef) << 23);
-  const float xsb = ef == 255u ? __uint_as_float(0x7FC00000u) : __uint_as_float((ef - 21u) << 23);
-  uint32_t X[4];  // round(v scale): the bits of v scale + 1.5 * 2^23, minus those of 1.5 * 2^23
-#pragma unroll
-  for (int e = 0; e < 4; ++e) X[e] = __float_as_uint(fmaf(v[e], scale, 12582912.f)) - 0x4B400000u;
-  const uint32_t b01 = __byte_perm(X[0], X[1], 0x5140), b23 = __byte_perm(X[2], X[3], 0x5140);
-  const uint32_t t01 = __byte_perm(X[0], X[1], 0x0062), t23 = __byte_perm(X[2], X[3], 0x0062);
-  int sum = (int)(X[0] + X[1] + X[2] + X[3]);  // over 16 elements: |sum| <= 2^26, exact
+__device__ __forceinline__ void store_digits4(const float (&v)[4], bool on, int u, uint8_t* d, int win) {
+  const Digits4 x = digits4(v);
+  int sum = x.sum;  // over 16 elements: |sum| <= 2^26, exact
   sum += gpu_shfl_xor(sum, 1);
   sum += gpu_shfl_xor(sum, 2);
   if (on) {
     float* xs = reinterpret_cast<float*>(d + 3 * win);
-    *reinterpret_cast<uint32_t*>(d + 4 * u) = __byte_perm(t01, t23, 0x5410);            // D0
-    *reinterpret_cast<uint32_t*>(d + win + 4 * u) = __byte_perm(b01, b23, 0x7632);      // D1
-    *reinterpret_cast<uint32_t*>(d + 2 * win + 4 * u) = __byte_perm(b01, b23, 0x5410);  // D2
-    if ((u & 7) == 0) xs[u / 8] = xsb;
-    if ((u & 3) == 0) xs[win / 32 + u / 4] = (float)sum * xsb;  // the run sums follow xs
+    *reinterpret_cast<uint32_t*>(d + 4 * u) = x.d0;
+    *reinterpret_cast<uint32_t*>(d + win + 4 * u) = x.d1;
+    *reinterpret_cast<uint32_t*>(d + 2 * win + 4 * u) = x.d2;
+    if ((u & 7) == 0) xs[u / 8] = x.xsb;
+    if ((u & 3) == 0) xs[win / 32 + u / 4] = (float)sum * x.xsb;  // the run sums follow xs
   }
 }
 
@@ -349,7 +331,7 @@ __device__ __forceinline__ void digits_prep(const MvParams& p, const int32_t (&x
       for (int r = 0; r < NR; ++r) {
         if (ss != nullptr && u < units) ss[r] = add_squares(a[c][r], ss[r]);
         const float v[4] = {a[c][r].x * n[c].x, a[c][r].y * n[c].y, a[c][r].z * n[c].z, a[c][r].w * n[c].w};
-        digits4(v, u < units, u, dig + (size_t)r * digit_row_bytes(win), win);
+        store_digits4(v, u < units, u, dig + (size_t)r * digit_row_bytes(win), win);
       }
     }
   }
@@ -435,27 +417,18 @@ __device__ __forceinline__ void stage_dot_mixed(const MvParams& p, const GgmlTyp
 // Blocks per multiprocessor the kernel is compiled for (registers per thread follow).
 constexpr int mv_min_blocks(int nr, int rpg) { return nr * rpg == 1 ? 4 : nr == 1 ? 3 : nr * rpg >= 16 ? 1 : 2; }
 
-// The rows of group `warp` in the CTA-sized block cb of the call's rows: the weight (w0),
-// the output row of rr = 0, and where each row's bytes are. Store/Accumulate: rows
-// o0 + RPG*warp + rr of one weight. SwiGLU (RPG even): output rows o0 + (RPG/2)*warp + j,
-// j < RPG/2, as gate row (rr = 2j) and up row (rr = 2j + 1).
+// The staged rows of group `warp` in block cb (group_rows, linear_params.cuh): the copy
+// stream's view.
 template <int RPG>
-__device__ __forceinline__ void rows_of(const MvParams& p, int cb, int warp, MvWeight& w0, int64_t& o_first,
-                                        GroupRow (&gr)[RPG]) {
-  const bool swiglu = p.ep == Epilogue::SwiGLU;
-  w0 = p.w[0];
-  if (swiglu) {
-    o_first = ((int64_t)cb * kWarps + warp) * (RPG / 2);
-  } else {
-    if (p.n_w > 1 && cb >= p.w[1].cta0) w0 = p.w[1];
-    if (p.n_w > 2 && cb >= p.w[2].cta0) w0 = p.w[2];
-    o_first = (int64_t)(cb - w0.cta0) * kWarps * RPG + (int64_t)warp * RPG;
-  }
+__device__ __forceinline__ void stream_rows(const MvParams& p, int cb, int warp, GroupRow (&gr)[RPG]) {
+  int j0;
+  int64_t o_first;
+  const uint8_t* src[RPG];
+  group_rows<RPG>(p, cb, warp, kWarps, j0, o_first, src);
 #pragma unroll
   for (int rr = 0; rr < RPG; ++rr) {
-    const MvWeight& w = swiglu && (rr & 1) ? p.w[1] : w0;
-    const int64_t o = min(swiglu ? o_first + rr / 2 : o_first + rr, w.n_out - 1);  // clamped; dropped at the end
-    gr[rr] = GroupRow{w.data + (size_t)o * w.stride, w.end, w.stage_bytes, w.last_bytes, w.type};
+    const MvWeight& w = p.w[p.ep == Epilogue::SwiGLU ? (rr & 1) : j0];
+    gr[rr] = GroupRow{src[rr], w.end, w.stage_bytes, w.last_bytes, w.type};
   }
 }
 
@@ -488,11 +461,7 @@ __global__ void __launch_bounds__(kThreads, mv_min_blocks(NR, RPG)) matvec_kerne
   // the copy stream: stage is_st of block is_cb (rows ig) into ring slot is_slot
   int is_cb = blockIdx.x, is_st = 0, is_slot = 0;
   GroupRow ig[RPG];
-  {
-    MvWeight w;
-    int64_t o;
-    rows_of<RPG>(p, is_cb, warp, w, o, ig);
-  }
+  stream_rows<RPG>(p, is_cb, warp, ig);
   auto issue = [&]() {
     if (is_cb < n_cb) {
 #pragma unroll
@@ -501,11 +470,7 @@ __global__ void __launch_bounds__(kThreads, mv_min_blocks(NR, RPG)) matvec_kerne
       if (++is_st == n_st) {
         is_st = 0;
         is_cb += step;
-        if (is_cb < n_cb) {
-          MvWeight w;
-          int64_t o;
-          rows_of<RPG>(p, is_cb, warp, w, o, ig);
-        }
+        if (is_cb < n_cb) stream_rows<RPG>(p, is_cb, warp, ig);
       }
     }
     is_slot = is_slot + 1 == kStages ? 0 : is_slot + 1;
@@ -548,18 +513,19 @@ __global__ void __launch_bounds__(kThreads, mv_min_blocks(NR, RPG)) matvec_kerne
 
   int slot = 0;  // ring slot of the stage being read
   for (int cb = blockIdx.x; cb < n_cb; cb += step) {
-    MvWeight w0;
+    int j0;
     int64_t o_first;
     GgmlType type[RPG];
     int32_t mis[RPG], sb[RPG];  // a row's misalignment mod 16 at stage st: mis + st * sb
     {
-      GroupRow gr[RPG];
-      rows_of<RPG>(p, cb, warp, w0, o_first, gr);
+      const uint8_t* src[RPG];
+      group_rows<RPG>(p, cb, warp, kWarps, j0, o_first, src);
 #pragma unroll
       for (int rr = 0; rr < RPG; ++rr) {
-        type[rr] = gr[rr].type;
-        mis[rr] = (int32_t)((uintptr_t)gr[rr].src & 15);
-        sb[rr] = gr[rr].sb;
+        const MvWeight& w = p.w[swiglu ? (rr & 1) : j0];
+        type[rr] = w.type;
+        mis[rr] = (int32_t)((uintptr_t)src[rr] & 15);
+        sb[rr] = w.stage_bytes;
       }
     }
     bool mixed = false;
@@ -602,30 +568,7 @@ __global__ void __launch_bounds__(kThreads, mv_min_blocks(NR, RPG)) matvec_kerne
     for (int rr = 0; rr < RPG; ++rr)
 #pragma unroll
       for (int r = 0; r < NR; ++r) acc[rr][r] = group_sum(acc[rr][r]) * inv[r];
-#pragma unroll
-    for (int rr = 0; rr < RPG; ++rr)
-#pragma unroll
-      for (int r = 0; r < NR; ++r) {
-        if (lane != (rr * NR + r) % kGroup || row0 + r >= p.n) continue;
-        float* yr = p.y + (row0 + r) * p.ldy;
-        if (swiglu) {
-          if constexpr (RPG % 2 == 0) {
-            const int64_t o = o_first + rr / 2;
-            if ((rr & 1) || o >= p.w[0].n_out) continue;
-            float g = acc[rr][r], u = acc[rr | 1][r];
-            if (p.w[0].bias) g += p.w[0].bias[o];
-            if (p.w[1].bias) u += p.w[1].bias[o];
-            yr[o] = g / (1.f + __expf(-g)) * u;
-          }
-        } else {
-          const int64_t o = o_first + rr;
-          if (o >= w0.n_out) continue;
-          float v = acc[rr][r];
-          if (w0.bias) v += w0.bias[o];
-          if (p.ep == Epilogue::Accumulate) yr[w0.col + o] += v;
-          else yr[w0.col + o] = v;
-        }
-      }
+    group_store<RPG, NR>(p, lane, row0, j0, o_first, acc);
   }
   cp_wait<0>();
 }
@@ -775,7 +718,7 @@ void linear(const LinearArgs& a, gpuStream_t s) {
     matmul_large(a, s);
     return;
   }
-  if (tc_linear(a, s)) return;
+  if (tc_linear(a, s) || q4k_linear(a, s)) return;
   const int64_t K = a.w[0]->n_in;
   // The digit reader serves engines that do not speculate (a.tensor_cores false): one decode
   // step costs less there, a verify of 4-16 rows more (each CTA rounds every row of x).

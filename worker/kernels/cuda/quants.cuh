@@ -203,15 +203,29 @@ struct Dec<GgmlType::Q5_1> {
 
 // K-quant 6-bit scales/mins of the sub-block pair (2g, 2g+1), packed as in cpu/quants.cpp
 // (kquant_scales): low byte of the returned 16 bits = sub-block 2g, high byte = 2g+1.
-__device__ __forceinline__ void kquant_pair(const uint8_t* scales, int g, uint32_t& sc, uint32_t& mn) {
-  const int p = 2 * (g & 1);
-  const uint32_t lo = ld_u16(scales + p), mid = ld_u16(scales + 4 + p), hi = ld_u16(scales + 8 + p);
-  // g < 2: the low 6 bits of bytes 0..7; else 4 low bits from bytes 8..11 and the 2 high
-  // bits from bits 6-7 of bytes 0..7 (selects, not a branch: lanes of one group differ in g)
+__device__ __forceinline__ void kquant_pair_of(uint32_t lo, uint32_t mid, uint32_t hi, int g, uint32_t& sc,
+                                               uint32_t& mn) {
+  // lo, mid, hi: scale bytes p, p+1 / 4+p, 5+p / 8+p, 9+p (p = 2 (g % 2)) in their low 16
+  // bits (higher bits are ignored). g < 2: the low 6 bits of bytes 0..7; else 4 low bits from
+  // bytes 8..11 and the 2 high bits from bits 6-7 of bytes 0..7 (selects, not a branch:
+  // lanes of one group differ in g)
   const uint32_t sc_hi = (hi & 0x0F0Fu) | ((lo >> 2) & 0x3030u);
   const uint32_t mn_hi = ((hi >> 4) & 0x0F0Fu) | ((mid >> 2) & 0x3030u);
   sc = g < 2 ? lo & 0x3F3Fu : sc_hi;
   mn = g < 2 ? mid & 0x3F3Fu : mn_hi;
+}
+__device__ __forceinline__ void kquant_pair(const uint8_t* scales, int g, uint32_t& sc, uint32_t& mn) {
+  const int p = 2 * (g & 1);
+  kquant_pair_of(ld_u16(scales + p), ld_u16(scales + 4 + p), ld_u16(scales + 8 + p), g, sc, mn);
+}
+// A K-quant sub-block pair's scales s = d sc and minimums m = -(dmin mn) (dd: d | dmin << 16,
+// the block's first 4 bytes; sc, mn: kquant_pair's).
+__device__ __forceinline__ void kquant_sm(uint32_t dd, uint32_t sc, uint32_t mn, float (&s)[2], float (&m)[2]) {
+  const float d = f16_bits(dd & 0xFFFF), dmin = f16_bits(dd >> 16);
+  s[0] = d * small_int(sc & 0xFF);
+  s[1] = d * small_int(sc >> 8);
+  m[0] = -(dmin * small_int(mn & 0xFF));
+  m[1] = -(dmin * small_int(mn >> 8));
 }
 
 // {d; dmin; scales[12]; qs[128]}: sub-block j = d*sc_j*q - dmin*mn_j with q the low (even j)
@@ -224,17 +238,12 @@ struct Dec<GgmlType::Q4_K> {
   __device__ static int pos(int s) { return 64 * (s >> 3) + 4 * (s & 7); }
   __device__ static void load(const uint8_t* b, int s, Piece& p) {
     const int g = s >> 3, i0 = 4 * (s & 7);
-    const uint32_t dd = ld_u32(b);
-    const float d = f16_bits(dd & 0xFFFF), dmin = f16_bits(dd >> 16);
     uint32_t sc, mn;
     kquant_pair(b + 4, g, sc, mn);
+    kquant_sm(ld_u32(b), sc, mn, p.s, p.m);
     const uint32_t v = ld_u32(b + 16 + 32 * g + i0);
     bytes4(v & 0x0F0F0F0Fu, kMagic, p.q);
     bytes4((v >> 4) & 0x0F0F0F0Fu, kMagic, p.q + 4);
-    p.s[0] = d * small_int(sc & 0xFF);
-    p.s[1] = d * small_int(sc >> 8);
-    p.m[0] = -(dmin * small_int(mn & 0xFF));
-    p.m[1] = -(dmin * small_int(mn >> 8));
   }
 };
 
@@ -247,17 +256,12 @@ struct Q4kPair {
 };
 __device__ __forceinline__ Q4kPair q4k_pair(const uint8_t* b, int m) {
   const int g = m >> 2, i0 = 8 * (m & 3);
-  const uint32_t dd = ld_u32(b);
-  const float d = f16_bits(dd & 0xFFFF), dmin = f16_bits(dd >> 16);
   uint32_t sc, mn;
   kquant_pair(b + 4, g, sc, mn);
   Q4kPair q;
+  kquant_sm(ld_u32(b), sc, mn, q.s, q.m);
   q.v[0] = ld_u32(b + 16 + 32 * g + i0);
   q.v[1] = ld_u32(b + 20 + 32 * g + i0);
-  q.s[0] = d * small_int(sc & 0xFF);
-  q.s[1] = d * small_int(sc >> 8);
-  q.m[0] = -(dmin * small_int(mn & 0xFF));
-  q.m[1] = -(dmin * small_int(mn >> 8));
   return q;
 }
 __device__ __forceinline__ void q4k_piece(const Q4kPair& q, int h, Piece& p) {
@@ -278,18 +282,13 @@ struct Dec<GgmlType::Q5_K> {
   __device__ static int pos(int s) { return 64 * (s >> 3) + 4 * (s & 7); }
   __device__ static void load(const uint8_t* b, int s, Piece& p) {
     const int g = s >> 3, i0 = 4 * (s & 7);
-    const uint32_t dd = ld_u32(b);
-    const float d = f16_bits(dd & 0xFFFF), dmin = f16_bits(dd >> 16);
     uint32_t sc, mn;
     kquant_pair(b + 4, g, sc, mn);
+    kquant_sm(ld_u32(b), sc, mn, p.s, p.m);
     const uint32_t qh = ld_u32(b + 16 + i0);
     const uint32_t v = ld_u32(b + 48 + 32 * g + i0);
     bytes4((v & 0x0F0F0F0Fu) | (((qh >> (2 * g)) & 0x01010101u) << 4), kMagic, p.q);
     bytes4(((v >> 4) & 0x0F0F0F0Fu) | (((qh >> (2 * g + 1)) & 0x01010101u) << 4), kMagic, p.q + 4);
-    p.s[0] = d * small_int(sc & 0xFF);
-    p.s[1] = d * small_int(sc >> 8);
-    p.m[0] = -(dmin * small_int(mn & 0xFF));
-    p.m[1] = -(dmin * small_int(mn >> 8));
   }
 };
 
@@ -372,20 +371,16 @@ struct IntDec<GgmlType::Q4_K> {
   __device__ static void load(const uint8_t* stage, int lane, IntRuns& r) {
     const int g = (lane >> 1) & 3, h = lane & 1;
     const uint8_t* b = stage + 144 * (lane >> 3);
-    const uint32_t dd = ld_u32(b);
-    const float d = f16_bits(dd & 0xFFFF), dmin = f16_bits(dd >> 16);
     uint32_t sc, mn;
     kquant_pair(b + 4, g, sc, mn);
+    kquant_sm(ld_u32(b), sc, mn, r.s, r.m);
+    r.s[1] *= 0.0625f;  // (the high nibbles are read as 16 q)
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const uint32_t v = ld_u32(b + 16 + 32 * g + 16 * h + 4 * i);
       r.q[i] = v & 0x0F0F0F0Fu;
       r.q[4 + i] = v & 0xF0F0F0F0u;  // 16q
     }
-    r.s[0] = d * small_int(sc & 0xFF);
-    r.s[1] = d * small_int(sc >> 8) * 0.0625f;
-    r.m[0] = -(dmin * small_int(mn & 0xFF));
-    r.m[1] = -(dmin * small_int(mn >> 8));
     r.k[0] = 256 * (lane >> 3) + 64 * g + 16 * h;
     r.k[1] = r.k[0] + 32;
   }

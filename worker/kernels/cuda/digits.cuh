@@ -1,0 +1,53 @@
+// specd/cuda/digits.cuh: x rounded to integer digits per 32-element block, for the digit
+// readers of linear() (matvec.cu for Q8_0 / Q4_K / Q6_K, matvec_q4k.cu for Q4_K).
+//
+// Each 32-element block b of a row of x (times the norm weight, when fused) is rounded once
+// to integers on the power-of-two grid of its largest element: X_k = round(x_k 2^(22-E_b))
+// with |x_k| < 2^E_b over the block, so |X_k| <= 2^22 and the error is at most 2^(E_b-23)
+// (the float32 rounding of the block's largest element). X = D0 2^16 + D1 2^8 + D2 is kept
+// as three byte planes (D0 = X >> 16 signed, D1 and D2 unsigned); a reader's integer sums
+// S_t = sum q D_t (dp4a) are exact in any order.
+#pragma once
+#include <cstdint>
+
+#include "cuda/common.cuh"
+
+namespace specd {
+namespace gpu {
+
+struct Digits4 {
+  uint32_t d0, d1, d2;  // the three byte planes of 4 consecutive elements (element 0 in byte 0)
+  float xsb;            // the block's grid step 2^(E_b - 22) (NaN for a block holding inf or NaN)
+  int sum;              // X_0 + .. + X_3 (exact)
+};
+
+// The digits of 4 elements v (x times norm_w) of a 32-element block held by 8 consecutive
+// lanes (4 elements each); every lane of the group takes part in the shuffles.
+__device__ __forceinline__ Digits4 digits4(const float (&v)[4]) {
+  // the block's largest |v| as bits (integer order: NaN > inf > finite, so both show)
+  uint32_t big = 0;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) big = max(big, __float_as_uint(v[e]) & 0x7FFFFFFFu);
+  big = max(big, gpu_shfl_xor(big, 1));
+  big = max(big, gpu_shfl_xor(big, 2));
+  big = max(big, gpu_shfl_xor(big, 4));
+  // biased exponent ef: |v| < 2^(ef-126), so v 2^(148-ef) < 2^22; xs = 2^(ef-148) (blocks
+  // below 2^-104 share the grid of 2^-104: xs stays normal), NaN for inf or NaN in the block
+  const uint32_t ef = max(big >> 23, 22u);
+  const float scale = __uint_as_float((275u - ef) << 23);
+  Digits4 r;
+  r.xsb = ef == 255u ? __uint_as_float(0x7FC00000u) : __uint_as_float((ef - 21u) << 23);
+  uint32_t X[4];  // round(v scale): the bits of v scale + 1.5 * 2^23, minus those of 1.5 * 2^23
+#pragma unroll
+  for (int e = 0; e < 4; ++e) X[e] = __float_as_uint(fmaf(v[e], scale, 12582912.f)) - 0x4B400000u;
+  const uint32_t b01 = __byte_perm(X[0], X[1], 0x5140), b23 = __byte_perm(X[2], X[3], 0x5140);
+  const uint32_t t01 = __byte_perm(X[0], X[1], 0x0062), t23 = __byte_perm(X[2], X[3], 0x0062);
+  r.d0 = __byte_perm(t01, t23, 0x5410);
+  r.d1 = __byte_perm(b01, b23, 0x7632);
+  r.d2 = __byte_perm(b01, b23, 0x5410);
+  r.sum = (int)(X[0] + X[1] + X[2] + X[3]);
+  return r;
+}
+
+}  // namespace gpu
+}  // namespace specd
