@@ -316,26 +316,39 @@ def test_fused_norm_and_swiglu_are_batch_invariant(rng: np.random.Generator) -> 
         np.testing.assert_array_equal(batched.view(np.uint32), alone.view(np.uint32))
 
 
-# ---- every weight Q4_K (matvec_q4k.cu: the digit reader with the weights loaded straight
-# into registers, persistent CTAs taking blocks of 16 rows; tiles of 1, 2 or 4 rows of x)
+# ---- every weight Q4_K / Q6_K (matvec_kq.cu: the digit reader with the weights loaded
+# straight into registers, persistent CTAs taking blocks of 16 rows; tiles of 1, 2 or 4 rows of
+# x; Q6_K rows must be 16-byte aligned there: K a multiple of 2048)
 
-@pytest.mark.parametrize("n_in, rows", [(256, (9001, 2250, 33)), (2304, (700, 70, 5)), (12288, (40, 9, 3))],
-                         ids=["k256-many-blocks", "k2304", "k12288"])
-def test_q4k_store_accumulate_swiglu(n_in: int, rows: tuple[int, int, int], rng: np.random.Generator) -> None:
-    # Three Q4_K weights side by side (more blocks of rows than persistent CTAs for K = 256,
-    # a partial last 2048-element step for 2304, 12288 = the 8B's down projection), two
-    # biases; then Accumulate and SwiGLU with the fused norm. Against float64, and every row
-    # bit-equal to the same row computed alone (n = 6 takes tiles of 4 and 2, n = 1 tiles of 1).
+KQ_CASES = {
+    "q4k-k256-many-blocks": ((T.Q4_K,) * 3, 256, (9001, 2250, 33)),
+    "q4k-k2304": ((T.Q4_K,) * 3, 2304, (700, 70, 5)),
+    "q4k-k12288": ((T.Q4_K,) * 3, 12288, (40, 9, 3)),
+    "q6k-k2048-many-blocks": ((T.Q6_K,) * 3, 2048, (7001, 300, 17)),
+    "q6k-k12288": ((T.Q6_K,) * 3, 12288, (40, 9, 3)),
+    "q4k-q6k-q4k-k4096": ((T.Q4_K, T.Q6_K, T.Q4_K), 4096, (130, 40, 33)),
+}
+
+
+@pytest.mark.parametrize("case", list(KQ_CASES))
+def test_kq_store_accumulate_swiglu(case: str, rng: np.random.Generator) -> None:
+    # Three weights side by side (more blocks of rows than persistent CTAs, a partial last
+    # 2048-element step for Q4_K at K = 2304, 12288 = the 8B's down projection, Q4_K and Q6_K
+    # mixed: one launch per type), two biases; then Accumulate and SwiGLU with the fused norm.
+    # Against float64, and every row bit-equal to the same row computed alone (n = 6 takes
+    # tiles of 4 and 2, n = 1 tiles of 1).
+    types, n_in, rows = KQ_CASES[case]
     x = rng.standard_normal((6, n_in), dtype=np.float32)
-    ws = [(T.Q4_K, random_weight(rng, T.Q4_K, m, n_in), m, n_in) for m in rows]
+    ws = [(t, random_weight(rng, t, m, n_in), m, n_in) for t, m in zip(types, rows)]
     biases = [rng.standard_normal(rows[0], dtype=np.float32), None, rng.standard_normal(rows[2], dtype=np.float32)]
     y = gpu(ws, biases, x)
-    check_store(y, x, ws, biases, lambda x64, aw: small_bound(np.abs(x64), aw), f"q4k K={n_in}")
+    check_store(y, x, ws, biases, lambda x64, aw: small_bound(np.abs(x64), aw), case)
     np.testing.assert_array_equal(y[:2].view(np.uint32), rows_alone(ws, biases, x[:2]).view(np.uint32))
     np.testing.assert_array_equal(y[1:3].view(np.uint32), gpu(ws, biases, x[1:3]).view(np.uint32))
-    check_norm_swiglu_accumulate(rng, 5, n_in, T.Q4_K, lambda x64, aw, e: small_bound(np.abs(x64), aw, e), 0, "q4k")
+    qtype = types[1]
+    check_norm_swiglu_accumulate(rng, 5, n_in, qtype, lambda x64, aw, e: small_bound(np.abs(x64), aw, e), 0, case)
     m = rows[1]
-    gate_up = [ws[1], (T.Q4_K, random_weight(rng, T.Q4_K, m, n_in), m, n_in)]
+    gate_up = [ws[1], (qtype, random_weight(rng, qtype, m, n_in), m, n_in)]
     norm_w = rng.uniform(0.5, 1.5, n_in).astype(np.float32)
     kw = dict(norm_w=norm_w, eps=1e-6, epilogue=2)
     xs = x / np.sqrt(n_in)

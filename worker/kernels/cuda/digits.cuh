@@ -1,5 +1,5 @@
 // specd/cuda/digits.cuh: x rounded to integer digits per 32-element block, for the digit
-// readers of linear() (matvec.cu for Q8_0 / Q4_K / Q6_K, matvec_q4k.cu for Q4_K).
+// readers of linear() (matvec.cu for Q8_0 / Q4_K / Q6_K, matvec_kq.cu for Q4_K / Q6_K).
 //
 // Each 32-element block b of a row of x (times the norm weight, when fused) is rounded once
 // to integers on the power-of-two grid of its largest element: X_k = round(x_k 2^(22-E_b))

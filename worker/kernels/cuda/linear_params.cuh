@@ -72,7 +72,7 @@ int64_t fill_params(P& p, const LinearArgs& a, int64_t rows) {
   return cta_count(a, rows);
 }
 
-// ---- the CUDA-core small-path kernels (matvec.cu, matvec_q4k.cu): a CTA of `warps` groups,
+// ---- the CUDA-core small-path kernels (matvec.cu, matvec_kq.cu): a CTA of `warps` groups,
 // each owning RPG weight rows of a CTA-sized block cb of the call's rows.
 
 // Group `warp`'s rows in block cb: weight j0 and output o_first (Store / Accumulate: rows

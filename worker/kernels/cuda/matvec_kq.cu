@@ -1,0 +1,455 @@
+// specd/cuda/matvec_kq.cu: linear() for n <= kMaxSmallBatch rows of x when every weight is
+// Q4_K or Q6_K, in engines that do not speculate (LinearArgs::tensor_cores false): the digit
+// reader with the weights loaded straight into registers.
+//
+// Why a kernel of its own: matvec.cu stages every weight byte through shared memory (cp.async
+// into a ring of stages, a group barrier per stage) so that one kernel reads every type at
+// any alignment, and two thirds of its instructions are that bookkeeping. Here each lane
+// loads the bytes it sums itself: a Q4_K block is 144 = 9 x 16 bytes, so its header (d,
+// dmin, 12 scale bytes) and qs are 16-byte aligned whenever the rows are (three 16-byte
+// loads per chunk); a Q6_K block is 210 bytes, so block b of a 16-byte aligned row starts
+// 2b mod 16 bytes past a 16-byte boundary: its fields (16-byte aligned within the block)
+// are read as 4-byte words and re-aligned with one funnel shift per word.
+//
+// Work: 256 threads = 8 groups of 32 lanes; a group owns kRpg = 2 weight rows (a gate / up
+// pair for SwiGLU) of a CTA-sized block of 16 rows (group_rows, linear_params.cuh);
+// persistent CTAs take the blocks blockIdx.x, + gridDim.x, ...; grid.y = tiles of NR <= 4
+// rows of x. Lane l takes the chunks c = l + 32 i of its rows, i = 0, 1, ... (a chunk = 64
+// weights; Q4_K: qs group g = c % 4 of block c / 4, low nibbles = elements 64c .. 64c + 31
+// = sub-block 2g, high nibbles = 64c + 32 .. 64c + 63 = sub-block 2g + 1; Q6_K: quarter
+// (h, m) = (c % 4 / 2, c % 2) of block c / 4, the four 16-element runs 128h + 16m + 32k,
+// k < 4, which share their ql / qh bytes). The next chunk's loads are in flight while one is
+// summed, and the stream runs on into the next block of rows.
+//
+// Maths: x times the norm weight in 23-bit integer digits per 32-element block
+// (cuda/digits.cuh), in shared memory once per CTA. Per run of weights (Q4_K: a 32-element
+// sub-block, unsigned q with the high nibbles read in place as 16 q; Q6_K: 16 elements as
+// signed 4 (q - 32), as matvec.cu's digit reader) and row of x: the exact sums S_t (dp4a per
+// byte plane), S = S0 2^16 + (S1 2^8 + S2) (one or two roundings), times the block's grid
+// step (exact), times the run's scale in the accumulating fma; Q4_K then adds its minimum
+// -(dmin mn) times the sub-block's sum of x (one more fma). A lane adds its runs in order and
+// the group reduces with a fixed butterfly, so a row's result depends only on its weights
+// and K, not on n, NR, the tile or the other rows: batch invariance as on matvec.cu's paths
+// (every Q4_K / Q6_K row of such a call comes here, for any n; a call mixing the two types
+// (QKV with a Q6_K V) is one launch per type).
+#include <algorithm>
+#include <mutex>
+
+#include "cuda/digits.cuh"
+#include "cuda/linear.cuh"
+#include "cuda/linear_params.cuh"
+#include "cuda/quants.cuh"
+
+namespace specd {
+namespace gpu {
+
+bool kq_linear(const LinearArgs& a, gpuStream_t s);
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / kGroup;
+constexpr int kRpg = 2;       // weight rows per group
+constexpr int kMaxTile = 4;   // rows of x per CTA
+constexpr int kSpan = 2048;   // elements the 32 lanes of a group cover in one step
+constexpr size_t kStaticSmem = 1024;  // room left for the kernel's static shared memory
+
+struct KqParams : LinParams {
+  int32_t plane = 0;  // bytes of one digit plane of a row of x (K rounded up to kSpan)
+  int32_t n_cb = 0;   // blocks of rows (kWarps * kRpg weight rows each)
+};
+
+// Digits of one row of x in shared memory: planes D0, D1, D2 (`plane` bytes each), element
+// 64c + 16q + j (c = chunk, q < 4, j < 16) at byte ((c / 32) 4 + q) 512 + (c % 32) 16 + j of
+// each, so the 32 lanes of a step read 32 consecutive 16-byte pieces (no bank conflicts);
+// then per chunk a float4 {grid step of sub-block 2c, its sum of x, the same for 2c + 1}.
+__host__ __device__ constexpr int digit_row_bytes(int plane) { return 3 * plane + plane / 4; }
+__device__ __forceinline__ int digit_at(int e) {
+  const int c = e >> 6;
+  return ((((c >> 5) << 2) + ((e >> 4) & 3)) << 9) + ((c & 31) << 4) + (e & 15);
+}
+
+// The digits of x[r] (times norm_w) for the tile's NR rows, all of K: thread t takes the
+// units (4 elements) t, t + 256, ... of every row (8 consecutive lanes a 32-element block),
+// C units of each row with all their loads in flight before any is used; with ss, also each
+// row's sum of squares in unit order (the same in every CTA, for every n).
+template <int NR>
+__device__ __forceinline__ void prep_digits(const KqParams& p, const int32_t (&xoff)[NR], uint8_t* dig,
+                                            float* ss) {
+  constexpr int C = NR >= 4 ? 1 : 4 / NR;
+  const int units = (int)(p.K / 4), plane = p.plane;
+  for (int i0 = 0; i0 * kThreads < units; i0 += C) {  // (uniform trip count: whole groups shuffle)
+    float4 a[C][NR], n[C];
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      const int u = (i0 + c) * kThreads + (int)threadIdx.x;
+      n[c] = make_float4(1.f, 1.f, 1.f, 1.f);
+      if (u < units && p.norm_w != nullptr) n[c] = __ldg(reinterpret_cast<const float4*>(p.norm_w) + u);
+#pragma unroll
+      for (int r = 0; r < NR; ++r)
+        a[c][r] = u < units ? __ldg(reinterpret_cast<const float4*>(p.x + xoff[r]) + u) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      const int u = (i0 + c) * kThreads + (int)threadIdx.x;
+#pragma unroll
+      for (int r = 0; r < NR; ++r) {
+        if (ss != nullptr && u < units) ss[r] = add_squares(a[c][r], ss[r]);
+        const float v[4] = {a[c][r].x * n[c].x, a[c][r].y * n[c].y, a[c][r].z * n[c].z, a[c][r].w * n[c].w};
+        const Digits4 d = digits4(v);
+        int sum = d.sum;  // over the 32-element block: |sum| <= 2^27, exact
+        sum += gpu_shfl_xor(sum, 1);
+        sum += gpu_shfl_xor(sum, 2);
+        sum += gpu_shfl_xor(sum, 4);
+        if (u < units) {
+          uint8_t* row = dig + (size_t)r * digit_row_bytes(plane);
+          const int at = digit_at(4 * u);
+          *reinterpret_cast<uint32_t*>(row + at) = d.d0;
+          *reinterpret_cast<uint32_t*>(row + plane + at) = d.d1;
+          *reinterpret_cast<uint32_t*>(row + 2 * plane + at) = d.d2;
+          if ((u & 7) == 0) {  // sub-block u / 8 = 2c + h: meta[4c + 2h], [4c + 2h + 1]
+            float* meta = reinterpret_cast<float*>(row + 3 * plane);
+            meta[u / 4] = d.xsb;
+            meta[u / 4 + 1] = (float)sum * d.xsb;
+          }
+        }
+      }
+    }
+  }
+}
+
+// Where the digits of run (chunk cc, 16-element quarter q) of a row start (digit_at).
+__device__ __forceinline__ int digit_run(int cc, int q) { return ((((cc >> 5) << 2) + q) << 9) + ((cc & 31) << 4); }
+
+// Exact integer sums S_t of 16 weight bytes w (4 words; kWSigned: int8, else uint8) times the
+// three digit planes at d (planes `plane` bytes apart), added into S.
+template <bool kWSigned>
+__device__ __forceinline__ void dot16(const uint32_t (&w)[4], const uint8_t* d, int plane, int (&S)[3]) {
+  const uint4 p0 = *reinterpret_cast<const uint4*>(d);
+  const uint4 p1 = *reinterpret_cast<const uint4*>(d + plane);
+  const uint4 p2 = *reinterpret_cast<const uint4*>(d + 2 * plane);
+  S[0] = gpu_dot4<kWSigned, true>(w[0], p0.x, S[0]);
+  S[1] = gpu_dot4<kWSigned, false>(w[0], p1.x, S[1]);
+  S[2] = gpu_dot4<kWSigned, false>(w[0], p2.x, S[2]);
+  S[0] = gpu_dot4<kWSigned, true>(w[1], p0.y, S[0]);
+  S[1] = gpu_dot4<kWSigned, false>(w[1], p1.y, S[1]);
+  S[2] = gpu_dot4<kWSigned, false>(w[1], p2.y, S[2]);
+  S[0] = gpu_dot4<kWSigned, true>(w[2], p0.z, S[0]);
+  S[1] = gpu_dot4<kWSigned, false>(w[2], p1.z, S[1]);
+  S[2] = gpu_dot4<kWSigned, false>(w[2], p2.z, S[2]);
+  S[0] = gpu_dot4<kWSigned, true>(w[3], p0.w, S[0]);
+  S[1] = gpu_dot4<kWSigned, false>(w[3], p1.w, S[1]);
+  S[2] = gpu_dot4<kWSigned, false>(w[3], p2.w, S[2]);
+}
+
+// S0 2^16 + (S1 2^8 + S2) as a float (one or two roundings; the second term fits int32).
+__device__ __forceinline__ float digit_sum(const int (&S)[3]) {
+  return fmaf((float)S[0], 65536.f, (float)(S[1] * 256 + S[2]));
+}
+
+template <GgmlType T>
+struct Kq;
+
+// Q4_K chunk c: the block's header and qs bytes 32g .. 32g + 31 (g = c % 4), 16-byte loads.
+template <>
+struct Kq<GgmlType::Q4_K> {
+  static constexpr int kBytes = 144;
+  struct Chunk {
+    uint4 h, a, b;
+  };
+  __device__ static void load(const uint8_t* row, int c, Chunk& ch) {
+    const uint4* blk = reinterpret_cast<const uint4*>(row + kBytes * (c >> 2));
+    ch.h = __ldg(blk);
+    ch.a = __ldg(blk + 1 + 2 * (c & 3));
+    ch.b = __ldg(blk + 2 + 2 * (c & 3));
+  }
+  // The chunks (step i, this lane) of the group's kRpg rows times the tile's NR rows of x.
+  template <int NR>
+  __device__ static void dot(const Chunk (&ch)[kRpg], const uint8_t* dig, int plane, int i, int lane,
+                             float (&acc)[kRpg][NR]) {
+    const int g = lane & 3, c = lane + kGroup * i;
+    float s[kRpg][2], m[kRpg][2];
+#pragma unroll
+    for (int rr = 0; rr < kRpg; ++rr) {
+      const uint32_t sh = 16 * (g & 1);  // scale bytes 2 (g % 2) .. of each 4
+      uint32_t sc, mn;
+      kquant_pair_of(ch[rr].h.y >> sh, ch[rr].h.z >> sh, ch[rr].h.w >> sh, g, sc, mn);
+      kquant_sm(ch[rr].h.x, sc, mn, s[rr], m[rr]);
+      s[rr][1] *= 0.0625f;  // (high nibbles read as 16 q)
+    }
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {
+      const uint8_t* row = dig + (size_t)r * digit_row_bytes(plane);
+      int S[kRpg][2][3];
+#pragma unroll
+      for (int rr = 0; rr < kRpg; ++rr)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) S[rr][h][0] = S[rr][h][1] = S[rr][h][2] = 0;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {  // elements 64c + 16q ..: low nibbles of a, b, then high
+#pragma unroll
+        for (int rr = 0; rr < kRpg; ++rr) {
+          const uint4 v = (q & 1) ? ch[rr].b : ch[rr].a;
+          const uint32_t mask = q < 2 ? 0x0F0F0F0Fu : 0xF0F0F0F0u;
+          const uint32_t w[4] = {v.x & mask, v.y & mask, v.z & mask, v.w & mask};
+          dot16<false>(w, row + digit_run(c, q), plane, S[rr][q >> 1]);
+        }
+      }
+      const float4 meta = *reinterpret_cast<const float4*>(row + 3 * plane + 16 * c);
+#pragma unroll
+      for (int rr = 0; rr < kRpg; ++rr) {
+        acc[rr][r] = fmaf(digit_sum(S[rr][0]) * meta.x, s[rr][0], acc[rr][r]);
+        acc[rr][r] = fmaf(m[rr][0], meta.y, acc[rr][r]);
+        acc[rr][r] = fmaf(digit_sum(S[rr][1]) * meta.z, s[rr][1], acc[rr][r]);
+        acc[rr][r] = fmaf(m[rr][1], meta.w, acc[rr][r]);
+      }
+    }
+  }
+};
+
+// Q6_K chunk c = quarter (h, m) of block b = c / 4: ql bytes 64h + 16m and 64h + 32 + 16m
+// (16 each), qh bytes 32h + 16m (16), scales 8h + m + 2k (k < 4) and d. Block b of a 16-byte
+// aligned row starts 2b mod 16 bytes past a 16-byte boundary, so each 16-byte field is 5
+// aligned words re-aligned by sh = 16 (b % 2) bits (b % 2 = (lane / 4) % 2: fixed per lane).
+template <>
+struct Kq<GgmlType::Q6_K> {
+  static constexpr int kBytes = 210;
+  struct Chunk {
+    uint32_t w[3][5];  // ql (run 0, 2), ql (run 1, 3), qh: 5 aligned words each
+    uint32_t s[3];     // scale bytes 8h .. 8h + 7 (3 aligned words)
+    uint32_t d;
+  };
+  __device__ static void load(const uint8_t* row, int c, Chunk& ch) {
+    const int h = (c >> 1) & 1, m = c & 1;
+    const uint8_t* blk = row + kBytes * (c >> 2);
+    const int off[3] = {64 * h + 16 * m, 64 * h + 32 + 16 * m, 128 + 32 * h + 16 * m};
+#pragma unroll
+    for (int f = 0; f < 3; ++f) {
+      const uint32_t* a = reinterpret_cast<const uint32_t*>((uintptr_t)(blk + off[f]) & ~(uintptr_t)3);
+#pragma unroll
+      for (int k = 0; k < 5; ++k) ch.w[f][k] = __ldg(a + k);
+    }
+    const uint32_t* a = reinterpret_cast<const uint32_t*>((uintptr_t)(blk + 192 + 8 * h) & ~(uintptr_t)3);
+#pragma unroll
+    for (int k = 0; k < 3; ++k) ch.s[k] = __ldg(a + k);
+    ch.d = __ldg(reinterpret_cast<const unsigned short*>(blk + 208));
+  }
+  template <int NR>
+  __device__ static void dot(const Chunk (&ch)[kRpg], const uint8_t* dig, int plane, int i, int lane,
+                             float (&acc)[kRpg][NR]) {
+    const int c = lane + kGroup * i, h = (c >> 1) & 1, m = c & 1;
+    const uint32_t sh = 16 * ((lane >> 2) & 1);
+    // 4 (q - 32) as int8 for the runs k of each row, and their scales d sc_k / 4
+    uint32_t q[kRpg][4][4];
+    float s[kRpg][4];
+#pragma unroll
+    for (int rr = 0; rr < kRpg; ++rr) {
+      uint32_t ql[2][4], qh[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        ql[0][k] = __funnelshift_r(ch[rr].w[0][k], ch[rr].w[0][k + 1], sh);
+        ql[1][k] = __funnelshift_r(ch[rr].w[1][k], ch[rr].w[1][k + 1], sh);
+        qh[k] = __funnelshift_r(ch[rr].w[2][k], ch[rr].w[2][k + 1], sh);
+      }
+#pragma unroll
+      for (int k = 0; k < 4; ++k)  // run k: ql[k % 2], nibble k / 2; qh bits 2k, 2k + 1
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const uint32_t lo = (k < 2 ? ql[k & 1][j] << 2 : ql[k & 1][j] >> 2) & 0x3C3C3C3Cu;
+          q[rr][k][j] = (lo | ((qh[j] << (6 - 2 * k)) & 0xC0C0C0C0u)) ^ 0x80808080u;
+        }
+      const uint32_t s01 = __funnelshift_r(ch[rr].s[0], ch[rr].s[1], sh);  // scale bytes 8h .. 8h + 3
+      const uint32_t s23 = __funnelshift_r(ch[rr].s[1], ch[rr].s[2], sh);  // 8h + 4 .. 8h + 7
+      const float d = f16_bits(ch[rr].d) * 0.25f;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const uint32_t word = k < 2 ? s01 : s23;
+        s[rr][k] = d * (float)(int8_t)(word >> (8 * (m + 2 * (k & 1))));
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {
+      const uint8_t* row = dig + (size_t)r * digit_row_bytes(plane);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {  // elements 256b + 128h + 16m + 32k: chunk cc, quarter m + 2 (k % 2)
+        const int cc = 4 * (c >> 2) + 2 * h + (k >> 1);
+        const uint8_t* d = row + digit_run(cc, m + 2 * (k & 1));
+        const float xs = reinterpret_cast<const float*>(row + 3 * plane)[4 * cc + 2 * (k & 1)];
+#pragma unroll
+        for (int rr = 0; rr < kRpg; ++rr) {
+          int S[3] = {0, 0, 0};
+          dot16<true>(q[rr][k], d, plane, S);
+          acc[rr][r] = fmaf(digit_sum(S) * xs, s[rr][k], acc[rr][r]);
+        }
+      }
+    }
+  }
+};
+
+// Blocks per multiprocessor the kernel is compiled for (registers per thread follow: no spills).
+constexpr int kq_min_blocks(GgmlType t, int nr) {
+  return nr == 1 ? (t == GgmlType::Q4_K ? 3 : 2) : nr == 2 ? 2 : (t == GgmlType::Q4_K ? 1 : 2);
+}
+
+// Programmatic dependent launch (sm_90): the first chunks' loads are issued before
+// gpu_grid_wait() (weights only), so they overlap the end of the kernel this one depends on.
+template <GgmlType T, int NR>
+__global__ void __launch_bounds__(kThreads, kq_min_blocks(T, NR)) kq_kernel(const KqParams p) {
+  using R = Kq<T>;
+  extern __shared__ __align__(16) uint8_t dig[];
+  __shared__ float red[kGroup];
+  __shared__ float inv[NR];  // fused RMSNorm factor of each row (1 without the norm)
+  const int lane = threadIdx.x % kGroup, warp = threadIdx.x / kGroup;
+  const int64_t K = p.K, row0 = (int64_t)blockIdx.y * NR;
+  int32_t xoff[NR];  // x row offsets; rows past n repeat row n-1, their results are dropped
+#pragma unroll
+  for (int r = 0; r < NR; ++r) xoff[r] = (int32_t)(min(row0 + r, p.n - 1) * K);
+  const int nc = (int)(K / 64), ni = (nc + kGroup - 1) / kGroup;  // chunks per row, steps
+  const int n_cb = p.n_cb, step = (int)gridDim.x;
+
+  // the load stream: step l_i of block l_cb (rows lsrc)
+  int l_cb = blockIdx.x, l_i = 0;
+  const uint8_t* lsrc[kRpg];
+  {
+    int j0;
+    int64_t o;
+    group_rows<kRpg>(p, l_cb, warp, kWarps, j0, o, lsrc);
+  }
+  auto fetch = [&](typename R::Chunk (&dst)[kRpg]) {
+    if (l_cb >= n_cb) return;
+    const int c = lane + kGroup * l_i;
+    if (c < nc) {
+#pragma unroll
+      for (int rr = 0; rr < kRpg; ++rr) R::load(lsrc[rr], c, dst[rr]);
+    }
+    if (++l_i == ni) {
+      l_i = 0;
+      l_cb += step;
+      if (l_cb < n_cb) {
+        int j0;
+        int64_t o;
+        group_rows<kRpg>(p, l_cb, warp, kWarps, j0, o, lsrc);
+      }
+    }
+  };
+  typename R::Chunk cur[kRpg], nxt[kRpg];
+  fetch(cur);
+
+  gpu_grid_wait();
+  gpu_grid_launch_dependents();
+
+  // inv_r = 1/sqrt(mean(x_r^2) + eps): one fixed-order CTA reduction per row, in the same
+  // pass over x as the digits
+  if (p.norm_w != nullptr) {
+    float ss[NR];
+#pragma unroll
+    for (int r = 0; r < NR; ++r) ss[r] = 0.f;
+    prep_digits<NR>(p, xoff, dig, ss);
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {
+      const float t = block_sum(ss[r], red);
+      if (threadIdx.x == 0) inv[r] = rsqrtf(t / (float)K + p.eps);
+    }
+  } else {
+    prep_digits<NR>(p, xoff, dig, nullptr);
+    if (threadIdx.x < NR) inv[threadIdx.x] = 1.f;
+  }
+  __syncthreads();  // inv[] and the digits are visible
+
+  for (int cb = blockIdx.x; cb < n_cb; cb += step) {
+    float acc[kRpg][NR];
+#pragma unroll
+    for (int rr = 0; rr < kRpg; ++rr)
+#pragma unroll
+      for (int r = 0; r < NR; ++r) acc[rr][r] = 0.f;
+    for (int i = 0; i < ni; ++i) {
+      fetch(nxt);
+      if (lane + kGroup * i < nc) R::template dot<NR>(cur, dig, p.plane, i, lane, acc);
+#pragma unroll
+      for (int rr = 0; rr < kRpg; ++rr) cur[rr] = nxt[rr];
+    }
+    int j0;
+    int64_t o_first;
+    const uint8_t* src[kRpg];
+    group_rows<kRpg>(p, cb, warp, kWarps, j0, o_first, src);
+#pragma unroll
+    for (int rr = 0; rr < kRpg; ++rr)
+#pragma unroll
+      for (int r = 0; r < NR; ++r) acc[rr][r] = group_sum(acc[rr][r]) * inv[r];
+    group_store<kRpg, NR>(p, lane, row0, j0, o_first, acc);
+  }
+}
+
+template <GgmlType T, int NR>
+void launch(const KqParams& p, int64_t blocks, size_t smem, gpuStream_t s) {
+  static std::once_flag once;  // allow the device's largest shared memory once per kernel
+  std::call_once(once, [] {
+    SPECD_GPU_CHECK(gpuFuncSetAttribute((kq_kernel<T, NR>), gpuFuncAttributeMaxDynamicSharedMemorySize,
+                                        (int)(dev_limits().smem_per_block - kStaticSmem)));
+  });
+  int per_sm = 0;  // persistent CTAs: as many as fit at once
+  SPECD_GPU_CHECK(gpuOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, (kq_kernel<T, NR>), kThreads, smem));
+  const int64_t ctas = std::min<int64_t>(blocks, (int64_t)std::max(per_sm, 1) * dev_limits().sms);
+  const dim3 grid((unsigned)ctas, (unsigned)ceil_div(p.n, NR));
+  gpu_launch("kq_kernel", kq_kernel<T, NR>, grid, dim3(kThreads), smem, s, p);
+}
+
+template <GgmlType T>
+void launch(const KqParams& p, int nr, int64_t blocks, size_t smem, gpuStream_t s) {
+  switch (nr) {
+    case 1: launch<T, 1>(p, blocks, smem, s); break;
+    case 2: launch<T, 2>(p, blocks, smem, s); break;
+    default: launch<T, kMaxTile>(p, blocks, smem, s); break;
+  }
+}
+
+bool kq_type(GgmlType t) { return t == GgmlType::Q4_K || t == GgmlType::Q6_K; }
+
+}  // namespace
+
+// Takes the call when the digit reader applies (tensor_cores false, SPECD_GPU_DIGITS and
+// SPECD_GPU_DIRECT not "0"), every weight is Q4_K or Q6_K (one type for SwiGLU) with 16-byte
+// aligned rows, n <= 64 and the digits of the largest tile fit the device's shared memory
+// (never a choice by n: batch invariance); returns whether it did. A Store of both types is
+// one launch per type, each writing its weights' columns.
+bool kq_linear(const LinearArgs& a, gpuStream_t s) {
+  static const bool on = env_value("SPECD_GPU_DIGITS") != "0" && env_value("SPECD_GPU_DIRECT") != "0";
+  if (!on || a.tensor_cores || a.n > kMaxSmallBatch) return false;
+  for (int j = 0; j < a.n_w; ++j) {
+    const GpuWeight& w = *a.w[j];
+    if (!kq_type(w.type) || (uintptr_t)w.data % 16 != 0 || w.row_stride % 16 != 0) return false;
+  }
+  if (a.ep == Epilogue::SwiGLU && a.w[0]->type != a.w[1]->type) return false;
+  const int64_t K = a.w[0]->n_in;
+  const int64_t plane = ceil_div(K, kSpan) * kSpan;
+  if (plane >= (1 << 28) || (size_t)kMaxTile * digit_row_bytes((int)plane) + kStaticSmem > dev_limits().smem_per_block)
+    return false;
+  SPECD_CHECK(a.n * K < (int64_t)1 << 31, "linear: x has more than 2^31 elements");
+  const int nr = a.n <= 1 ? 1 : a.n <= 2 ? 2 : kMaxTile;
+  const size_t smem = (size_t)nr * digit_row_bytes((int)plane);
+  KqParams all;
+  fill_params(all, a, (int64_t)kWarps * kRpg);  // (each weight's output columns)
+  for (GgmlType t : {GgmlType::Q4_K, GgmlType::Q6_K}) {
+    KqParams p = all;  // the weights of type t, in their order, with their own blocks of rows
+    p.n_w = 0;
+    int64_t blocks = 0;
+    for (int j = 0; j < a.n_w; ++j) {
+      if (all.w[j].type != t) continue;
+      p.w[p.n_w] = all.w[j];
+      p.w[p.n_w].cta0 = (int32_t)blocks;
+      if (a.ep != Epilogue::SwiGLU) blocks += ceil_div(all.w[j].n_out, (int64_t)kWarps * kRpg);
+      ++p.n_w;
+    }
+    if (p.n_w == 0) continue;
+    if (a.ep == Epilogue::SwiGLU) blocks = ceil_div(all.w[0].n_out, (int64_t)kWarps * kRpg / 2);
+    SPECD_CHECK(blocks < (int64_t)1 << 31, "linear: too many output rows");
+    p.plane = (int32_t)plane;
+    p.n_cb = (int32_t)blocks;
+    if (t == GgmlType::Q4_K) launch<GgmlType::Q4_K>(p, nr, blocks, smem, s);
+    else launch<GgmlType::Q6_K>(p, nr, blocks, smem, s);
+  }
+  return true;
+}
+
+}  // namespace gpu
+}  // namespace specd
