@@ -30,10 +30,11 @@
 // -(dmin mn) times the sub-block's sum of x (one more fma). A lane adds its runs in order and
 // the group reduces with a fixed butterfly, so a row's result depends only on its weights
 // and K, not on n, NR, the tile or the other rows: batch invariance as on matvec.cu's paths
-// (every Q4_K / Q6_K row of such a call comes here, for any n; a call mixing the two types
-// (QKV with a Q6_K V) is one launch per type).
+// (every Q4_K / Q6_K row of such a call comes here, for any n; a Store mixing the two types,
+// QKV with a Q6_K V, is one launch whose blocks of rows each have one type).
 #include <algorithm>
 #include <mutex>
+#include <type_traits>
 
 #include "cuda/digits.cuh"
 #include "cuda/linear.cuh"
@@ -157,7 +158,7 @@ struct Kq<GgmlType::Q4_K> {
   struct Chunk {
     uint4 h, a, b;
   };
-  __device__ static void load(const uint8_t* row, int c, Chunk& ch) {
+  __device__ static void load(const uint8_t* row, int c, Chunk& ch, GgmlType = GgmlType::Q4_K) {
     const uint4* blk = reinterpret_cast<const uint4*>(row + kBytes * (c >> 2));
     ch.h = __ldg(blk);
     ch.a = __ldg(blk + 1 + 2 * (c & 3));
@@ -166,7 +167,7 @@ struct Kq<GgmlType::Q4_K> {
   // The chunks (step i, this lane) of the group's kRpg rows times the tile's NR rows of x.
   template <int NR>
   __device__ static void dot(const Chunk (&ch)[kRpg], const uint8_t* dig, int plane, int i, int lane,
-                             float (&acc)[kRpg][NR]) {
+                             float (&acc)[kRpg][NR], GgmlType = GgmlType::Q4_K) {
     const int g = lane & 3, c = lane + kGroup * i;
     float s[kRpg][2], m[kRpg][2];
 #pragma unroll
@@ -219,7 +220,7 @@ struct Kq<GgmlType::Q6_K> {
     uint32_t s[3];     // scale bytes 8h .. 8h + 7 (3 aligned words)
     uint32_t d;
   };
-  __device__ static void load(const uint8_t* row, int c, Chunk& ch) {
+  __device__ static void load(const uint8_t* row, int c, Chunk& ch, GgmlType = GgmlType::Q6_K) {
     const int h = (c >> 1) & 1, m = c & 1;
     const uint8_t* blk = row + kBytes * (c >> 2);
     const int off[3] = {64 * h + 16 * m, 64 * h + 32 + 16 * m, 128 + 32 * h + 16 * m};
@@ -236,7 +237,7 @@ struct Kq<GgmlType::Q6_K> {
   }
   template <int NR>
   __device__ static void dot(const Chunk (&ch)[kRpg], const uint8_t* dig, int plane, int i, int lane,
-                             float (&acc)[kRpg][NR]) {
+                             float (&acc)[kRpg][NR], GgmlType = GgmlType::Q6_K) {
     const int c = lane + kGroup * i, h = (c >> 1) & 1, m = c & 1;
     const uint32_t sh = 16 * ((lane >> 2) & 1);
     // 4 (q - 32) as int8 for the runs k of each row, and their scales d sc_k / 4
@@ -286,16 +287,65 @@ struct Kq<GgmlType::Q6_K> {
   }
 };
 
+// A Store of both types (QKV with a Q6_K V) in one launch: each block of rows belongs to one
+// weight, so has one type; a chunk's registers hold either type's loads (as words).
+struct KqMix {
+  using R4 = Kq<GgmlType::Q4_K>;
+  using R6 = Kq<GgmlType::Q6_K>;
+  static constexpr int kWords = 19;
+  static_assert(sizeof(R4::Chunk) <= 4 * kWords && sizeof(R6::Chunk) == 4 * kWords, "chunk words");
+  struct Chunk {
+    uint32_t w[kWords];
+  };
+  template <class C>
+  __device__ static void pack(const C& x, Chunk& ch) {
+#pragma unroll
+    for (int k = 0; k < (int)(sizeof(C) / 4); ++k) ch.w[k] = reinterpret_cast<const uint32_t*>(&x)[k];
+  }
+  template <class C>
+  __device__ static void unpack(const Chunk& ch, C& x) {
+#pragma unroll
+    for (int k = 0; k < (int)(sizeof(C) / 4); ++k) reinterpret_cast<uint32_t*>(&x)[k] = ch.w[k];
+  }
+  __device__ static void load(const uint8_t* row, int c, Chunk& ch, GgmlType t) {
+    if (t == GgmlType::Q4_K) {
+      R4::Chunk x;
+      R4::load(row, c, x);
+      pack(x, ch);
+    } else {
+      R6::Chunk x;
+      R6::load(row, c, x);
+      pack(x, ch);
+    }
+  }
+  template <int NR>
+  __device__ static void dot(const Chunk (&ch)[kRpg], const uint8_t* dig, int plane, int i, int lane,
+                             float (&acc)[kRpg][NR], GgmlType t) {
+    if (t == GgmlType::Q4_K) {
+      R4::Chunk x[kRpg];
+#pragma unroll
+      for (int rr = 0; rr < kRpg; ++rr) unpack(ch[rr], x[rr]);
+      R4::dot<NR>(x, dig, plane, i, lane, acc);
+    } else {
+      R6::Chunk x[kRpg];
+#pragma unroll
+      for (int rr = 0; rr < kRpg; ++rr) unpack(ch[rr], x[rr]);
+      R6::dot<NR>(x, dig, plane, i, lane, acc);
+    }
+  }
+};
+
 // Blocks per multiprocessor the kernel is compiled for (registers per thread follow: no spills).
-constexpr int kq_min_blocks(GgmlType t, int nr) {
-  return nr == 1 ? (t == GgmlType::Q4_K ? 3 : 2) : nr == 2 ? 2 : (t == GgmlType::Q4_K ? 1 : 2);
+template <class R>
+constexpr int kq_min_blocks(int nr) {
+  constexpr bool q4k = std::is_same<R, Kq<GgmlType::Q4_K>>::value, mix = std::is_same<R, KqMix>::value;
+  return nr == 1 ? (q4k ? 3 : 2) : nr == 2 ? 2 : (q4k || mix ? 1 : 2);
 }
 
 // Programmatic dependent launch (sm_90): the first chunks' loads are issued before
 // gpu_grid_wait() (weights only), so they overlap the end of the kernel this one depends on.
-template <GgmlType T, int NR>
-__global__ void __launch_bounds__(kThreads, kq_min_blocks(T, NR)) kq_kernel(const KqParams p) {
-  using R = Kq<T>;
+template <class R, int NR>
+__global__ void __launch_bounds__(kThreads, kq_min_blocks<R>(NR)) kq_kernel(const KqParams p) {
   extern __shared__ __align__(16) uint8_t dig[];
   __shared__ float red[kGroup];
   __shared__ float inv[NR];  // fused RMSNorm factor of each row (1 without the norm)
@@ -310,17 +360,19 @@ __global__ void __launch_bounds__(kThreads, kq_min_blocks(T, NR)) kq_kernel(cons
   // the load stream: step l_i of block l_cb (rows lsrc)
   int l_cb = blockIdx.x, l_i = 0;
   const uint8_t* lsrc[kRpg];
+  GgmlType ltype;  // (its weight's type)
   {
     int j0;
     int64_t o;
     group_rows<kRpg>(p, l_cb, warp, kWarps, j0, o, lsrc);
+    ltype = p.w[j0].type;
   }
   auto fetch = [&](typename R::Chunk (&dst)[kRpg]) {
     if (l_cb >= n_cb) return;
     const int c = lane + kGroup * l_i;
     if (c < nc) {
 #pragma unroll
-      for (int rr = 0; rr < kRpg; ++rr) R::load(lsrc[rr], c, dst[rr]);
+      for (int rr = 0; rr < kRpg; ++rr) R::load(lsrc[rr], c, dst[rr], ltype);
     }
     if (++l_i == ni) {
       l_i = 0;
@@ -329,6 +381,7 @@ __global__ void __launch_bounds__(kThreads, kq_min_blocks(T, NR)) kq_kernel(cons
         int j0;
         int64_t o;
         group_rows<kRpg>(p, l_cb, warp, kWarps, j0, o, lsrc);
+        ltype = p.w[j0].type;
       }
     }
   };
@@ -357,6 +410,14 @@ __global__ void __launch_bounds__(kThreads, kq_min_blocks(T, NR)) kq_kernel(cons
   __syncthreads();  // inv[] and the digits are visible
 
   for (int cb = blockIdx.x; cb < n_cb; cb += step) {
+    GgmlType type;  // (KqMix's choice; the single-type readers ignore it)
+    {
+      int j;
+      int64_t o;
+      const uint8_t* src[kRpg];
+      group_rows<kRpg>(p, cb, warp, kWarps, j, o, src);
+      type = p.w[j].type;
+    }
     float acc[kRpg][NR];
 #pragma unroll
     for (int rr = 0; rr < kRpg; ++rr)
@@ -364,7 +425,7 @@ __global__ void __launch_bounds__(kThreads, kq_min_blocks(T, NR)) kq_kernel(cons
       for (int r = 0; r < NR; ++r) acc[rr][r] = 0.f;
     for (int i = 0; i < ni; ++i) {
       fetch(nxt);
-      if (lane + kGroup * i < nc) R::template dot<NR>(cur, dig, p.plane, i, lane, acc);
+      if (lane + kGroup * i < nc) R::template dot<NR>(cur, dig, p.plane, i, lane, acc, type);
 #pragma unroll
       for (int rr = 0; rr < kRpg; ++rr) cur[rr] = nxt[rr];
     }
@@ -380,26 +441,26 @@ __global__ void __launch_bounds__(kThreads, kq_min_blocks(T, NR)) kq_kernel(cons
   }
 }
 
-template <GgmlType T, int NR>
+template <class R, int NR>
 void launch(const KqParams& p, int64_t blocks, size_t smem, gpuStream_t s) {
   static std::once_flag once;  // allow the device's largest shared memory once per kernel
   std::call_once(once, [] {
-    SPECD_GPU_CHECK(gpuFuncSetAttribute((kq_kernel<T, NR>), gpuFuncAttributeMaxDynamicSharedMemorySize,
+    SPECD_GPU_CHECK(gpuFuncSetAttribute((kq_kernel<R, NR>), gpuFuncAttributeMaxDynamicSharedMemorySize,
                                         (int)(dev_limits().smem_per_block - kStaticSmem)));
   });
   int per_sm = 0;  // persistent CTAs: as many as fit at once
-  SPECD_GPU_CHECK(gpuOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, (kq_kernel<T, NR>), kThreads, smem));
+  SPECD_GPU_CHECK(gpuOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, (kq_kernel<R, NR>), kThreads, smem));
   const int64_t ctas = std::min<int64_t>(blocks, (int64_t)std::max(per_sm, 1) * dev_limits().sms);
   const dim3 grid((unsigned)ctas, (unsigned)ceil_div(p.n, NR));
-  gpu_launch("kq_kernel", kq_kernel<T, NR>, grid, dim3(kThreads), smem, s, p);
+  gpu_launch("kq_kernel", kq_kernel<R, NR>, grid, dim3(kThreads), smem, s, p);
 }
 
-template <GgmlType T>
+template <class R>
 void launch(const KqParams& p, int nr, int64_t blocks, size_t smem, gpuStream_t s) {
   switch (nr) {
-    case 1: launch<T, 1>(p, blocks, smem, s); break;
-    case 2: launch<T, 2>(p, blocks, smem, s); break;
-    default: launch<T, kMaxTile>(p, blocks, smem, s); break;
+    case 1: launch<R, 1>(p, blocks, smem, s); break;
+    case 2: launch<R, 2>(p, blocks, smem, s); break;
+    default: launch<R, kMaxTile>(p, blocks, smem, s); break;
   }
 }
 
@@ -410,8 +471,7 @@ bool kq_type(GgmlType t) { return t == GgmlType::Q4_K || t == GgmlType::Q6_K; }
 // Takes the call when the digit reader applies (tensor_cores false, SPECD_GPU_DIGITS and
 // SPECD_GPU_DIRECT not "0"), every weight is Q4_K or Q6_K (one type for SwiGLU) with 16-byte
 // aligned rows, n <= 64 and the digits of the largest tile fit the device's shared memory
-// (never a choice by n: batch invariance); returns whether it did. A Store of both types is
-// one launch per type, each writing its weights' columns.
+// (never a choice by n: batch invariance); returns whether it did.
 bool kq_linear(const LinearArgs& a, gpuStream_t s) {
   static const bool on = env_value("SPECD_GPU_DIGITS") != "0" && env_value("SPECD_GPU_DIRECT") != "0";
   if (!on || a.tensor_cores || a.n > kMaxSmallBatch) return false;
@@ -427,27 +487,16 @@ bool kq_linear(const LinearArgs& a, gpuStream_t s) {
   SPECD_CHECK(a.n * K < (int64_t)1 << 31, "linear: x has more than 2^31 elements");
   const int nr = a.n <= 1 ? 1 : a.n <= 2 ? 2 : kMaxTile;
   const size_t smem = (size_t)nr * digit_row_bytes((int)plane);
-  KqParams all;
-  fill_params(all, a, (int64_t)kWarps * kRpg);  // (each weight's output columns)
-  for (GgmlType t : {GgmlType::Q4_K, GgmlType::Q6_K}) {
-    KqParams p = all;  // the weights of type t, in their order, with their own blocks of rows
-    p.n_w = 0;
-    int64_t blocks = 0;
-    for (int j = 0; j < a.n_w; ++j) {
-      if (all.w[j].type != t) continue;
-      p.w[p.n_w] = all.w[j];
-      p.w[p.n_w].cta0 = (int32_t)blocks;
-      if (a.ep != Epilogue::SwiGLU) blocks += ceil_div(all.w[j].n_out, (int64_t)kWarps * kRpg);
-      ++p.n_w;
-    }
-    if (p.n_w == 0) continue;
-    if (a.ep == Epilogue::SwiGLU) blocks = ceil_div(all.w[0].n_out, (int64_t)kWarps * kRpg / 2);
-    SPECD_CHECK(blocks < (int64_t)1 << 31, "linear: too many output rows");
-    p.plane = (int32_t)plane;
-    p.n_cb = (int32_t)blocks;
-    if (t == GgmlType::Q4_K) launch<GgmlType::Q4_K>(p, nr, blocks, smem, s);
-    else launch<GgmlType::Q6_K>(p, nr, blocks, smem, s);
-  }
+  KqParams p;
+  const int64_t blocks = fill_params(p, a, (int64_t)kWarps * kRpg);
+  SPECD_CHECK(blocks < (int64_t)1 << 31, "linear: too many output rows");
+  p.plane = (int32_t)plane;
+  p.n_cb = (int32_t)blocks;
+  bool q4 = false, q6 = false;
+  for (int j = 0; j < a.n_w; ++j) (a.w[j]->type == GgmlType::Q4_K ? q4 : q6) = true;
+  if (q4 && q6) launch<KqMix>(p, nr, blocks, smem, s);
+  else if (q4) launch<Kq<GgmlType::Q4_K>>(p, nr, blocks, smem, s);
+  else launch<Kq<GgmlType::Q6_K>>(p, nr, blocks, smem, s);
   return true;
 }
 

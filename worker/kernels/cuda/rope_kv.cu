@@ -62,8 +62,9 @@ __device__ __forceinline__ void store_kv(void* cache, bool f16, int64_t idx, flo
 // ---- kernel
 
 __global__ void __launch_bounds__(kRopeThreads) rope_kv_kernel(const RopeKvParams P) {
-  gpu_grid_wait();  // (programmatic dependent launch: vendor.cuh)
-  gpu_grid_launch_dependents();
+  // The position and its cos / sin table come before gpu_grid_wait() (programmatic dependent
+  // launch, vendor.cuh), overlapping the end of the QKV product: d_pos0 is a forward input,
+  // written before its first kernel, never by the kernel this one follows.
   __shared__ double cs[2 * kMaxPairs];  // [half, (cos, sin)] of this row's position
   const int64_t r = blockIdx.y;
   const int64_t pos = (int64_t)*P.d_pos0 + r;
@@ -80,6 +81,8 @@ __global__ void __launch_bounds__(kRopeThreads) rope_kv_kernel(const RopeKvParam
       cs[2 * i + 1] = s;
     }
   }
+  gpu_grid_wait();
+  gpu_grid_launch_dependents();
   __syncthreads();
 
   const int head = head0 + threadIdx.x / kGroup, lane = threadIdx.x % kGroup;
