@@ -317,27 +317,31 @@ def test_fused_norm_and_swiglu_are_batch_invariant(rng: np.random.Generator) -> 
 
 
 # ---- every weight Q4_K / Q6_K (matvec_kq.cu: the digit reader with the weights loaded
-# straight into registers, persistent CTAs taking blocks of 16 rows; tiles of 1, 2 or 4 rows of
-# x; Q6_K rows must be 16-byte aligned there: K a multiple of 2048)
+# straight into registers; Q6_K rows must be 16-byte aligned there: K a multiple of 2048) or
+# every weight F16 / BF16 (matvec_f16.cu): persistent CTAs taking blocks of 16 rows, tiles of
+# 1, 2 or 4 rows of x
 
-KQ_CASES = {
+DIRECT_CASES = {
     "q4k-k256-many-blocks": ((T.Q4_K,) * 3, 256, (9001, 2250, 33)),
     "q4k-k2304": ((T.Q4_K,) * 3, 2304, (700, 70, 5)),
     "q4k-k12288": ((T.Q4_K,) * 3, 12288, (40, 9, 3)),
     "q6k-k2048-many-blocks": ((T.Q6_K,) * 3, 2048, (7001, 300, 17)),
     "q6k-k12288": ((T.Q6_K,) * 3, 12288, (40, 9, 3)),
     "q4k-q6k-q4k-k4096": ((T.Q4_K, T.Q6_K, T.Q4_K), 4096, (130, 40, 33)),
+    "f16-k4096-many-blocks": ((T.F16,) * 3, 4096, (7001, 70, 5)),
+    "f16-k1800": ((T.F16,) * 3, 1800, (300, 9, 3)),
+    "bf16-k12288": ((T.BF16,) * 3, 12288, (40, 9, 3)),
 }
 
 
-@pytest.mark.parametrize("case", list(KQ_CASES))
-def test_kq_store_accumulate_swiglu(case: str, rng: np.random.Generator) -> None:
+@pytest.mark.parametrize("case", list(DIRECT_CASES))
+def test_direct_store_accumulate_swiglu(case: str, rng: np.random.Generator) -> None:
     # Three weights side by side (more blocks of rows than persistent CTAs, a partial last
     # 2048-element step for Q4_K at K = 2304, 12288 = the 8B's down projection, Q4_K and Q6_K
     # mixed: one launch per type), two biases; then Accumulate and SwiGLU with the fused norm.
     # Against float64, and every row bit-equal to the same row computed alone (n = 6 takes
     # tiles of 4 and 2, n = 1 tiles of 1).
-    types, n_in, rows = KQ_CASES[case]
+    types, n_in, rows = DIRECT_CASES[case]
     x = rng.standard_normal((6, n_in), dtype=np.float32)
     ws = [(t, random_weight(rng, t, m, n_in), m, n_in) for t, m in zip(types, rows)]
     biases = [rng.standard_normal(rows[0], dtype=np.float32), None, rng.standard_normal(rows[2], dtype=np.float32)]

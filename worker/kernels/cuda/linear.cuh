@@ -1,6 +1,6 @@
 // specd/cuda/linear.cuh: y = x W^T for stored (possibly quantized) GGUF weights, every type
 // the CPU backend supports (F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q4_K Q5_K Q6_K), and the
-// token-embedding lookup. Implemented in matvec_tc.cu / matvec_kq.cu / matvec.cu (n <=
+// token-embedding lookup. Implemented in matvec_tc.cu / matvec_kq.cu / matvec_f16.cu / matvec.cu (n <=
 // kMaxSmallBatch) and matmul.cu (n > kMaxSmallBatch, tensor cores); the block decoders are in
 // quants.cuh.
 //
@@ -16,7 +16,8 @@
 //    CUDA cores (matvec.cu): Q8_0, Q4_K and Q6_K times x rounded per 32-element block to
 //    23-bit integer digits (dp4a, exact integer sums) when tensor_cores is false, float32
 //    FMAs otherwise and for the other types. A call whose weights are all Q4_K / Q6_K takes
-//    the same digits in matvec_kq.cu (weights loaded straight into registers, no staging).
+//    the same digits in matvec_kq.cu (weights loaded straight into registers, no staging);
+//    all F16 / all BF16 likewise in matvec_f16.cu (float32 fmas).
 //  * n > kMaxSmallBatch (prefill): a GEMM on tensor cores, fp16 x fp16 -> fp32 accumulate,
 //    with tiles of W decoded to fp16 in shared memory (F16 weights copied as stored). On
 //    NVIDIA sm_80+ x is first rounded to fp16 into LinearArgs::work, then copied in tiles

@@ -44,6 +44,7 @@ namespace gpu {
 void matmul_large(const LinearArgs& a, gpuStream_t s);  // matmul.cu: n > kMaxSmallBatch
 bool tc_linear(const LinearArgs& a, gpuStream_t s);     // matvec_tc.cu: tensor cores, n <= kMaxSmallBatch
 bool kq_linear(const LinearArgs& a, gpuStream_t s);     // matvec_kq.cu: Q4_K / Q6_K digits, n <= kMaxSmallBatch
+bool f16_linear(const LinearArgs& a, gpuStream_t s);    // matvec_f16.cu: F16 / BF16, n <= kMaxSmallBatch
 
 namespace {
 
@@ -718,7 +719,7 @@ void linear(const LinearArgs& a, gpuStream_t s) {
     matmul_large(a, s);
     return;
   }
-  if (tc_linear(a, s) || kq_linear(a, s)) return;
+  if (tc_linear(a, s) || kq_linear(a, s) || f16_linear(a, s)) return;
   const int64_t K = a.w[0]->n_in;
   // The digit reader serves engines that do not speculate (a.tensor_cores false): one decode
   // step costs less there, a verify of 4-16 rows more (each CTA rounds every row of x).
