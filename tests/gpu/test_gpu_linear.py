@@ -316,8 +316,9 @@ def test_fused_norm_and_swiglu_are_batch_invariant(rng: np.random.Generator) -> 
         np.testing.assert_array_equal(batched.view(np.uint32), alone.view(np.uint32))
 
 
-# ---- every weight Q4_K / Q6_K (matvec_kq.cu: the digit reader with the weights loaded
-# straight into registers; Q6_K rows must be 16-byte aligned there: K a multiple of 2048) or
+# ---- every weight Q4_K / Q6_K or every weight Q8_0 (matvec_kq.cu: the digit reader with the
+# weights loaded straight into registers; rows must be 16-byte aligned there: K a multiple of
+# 2048 for Q6_K, of 256 for Q8_0) or
 # every weight F16 / BF16 (matvec_f16.cu): persistent CTAs taking blocks of 16 rows, tiles of
 # 1, 2 or 4 rows of x
 
@@ -328,6 +329,8 @@ DIRECT_CASES = {
     "q6k-k2048-many-blocks": ((T.Q6_K,) * 3, 2048, (7001, 300, 17)),
     "q6k-k12288": ((T.Q6_K,) * 3, 12288, (40, 9, 3)),
     "q4k-q6k-q4k-k4096": ((T.Q4_K, T.Q6_K, T.Q4_K), 4096, (130, 40, 33)),
+    "q8_0-k1024-many-blocks": ((T.Q8_0,) * 3, 1024, (7001, 70, 5)),
+    "q8_0-k2304": ((T.Q8_0,) * 3, 2304, (300, 9, 3)),
     "f16-k4096-many-blocks": ((T.F16,) * 3, 4096, (7001, 70, 5)),
     "f16-k1800": ((T.F16,) * 3, 1800, (300, 9, 3)),
     "bf16-k12288": ((T.BF16,) * 3, 12288, (40, 9, 3)),

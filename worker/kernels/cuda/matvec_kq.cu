@@ -1,6 +1,7 @@
 // specd/cuda/matvec_kq.cu: linear() for n <= kMaxSmallBatch rows of x when every weight is
-// Q4_K or Q6_K, in engines that do not speculate (LinearArgs::tensor_cores false): the digit
-// reader with the weights loaded straight into registers.
+// Q4_K or Q6_K (or every weight Q8_0), in engines that do not speculate
+// (LinearArgs::tensor_cores false): the digit reader with the weights loaded straight into
+// registers.
 //
 // Why a kernel of its own: matvec.cu stages every weight byte through shared memory (cp.async
 // into a ring of stages, a group barrier per stage) so that one kernel reads every type at
@@ -9,7 +10,8 @@
 // dmin, 12 scale bytes) and qs are 16-byte aligned whenever the rows are (three 16-byte
 // loads per chunk); a Q6_K block is 210 bytes, so block b of a 16-byte aligned row starts
 // 2b mod 16 bytes past a 16-byte boundary: its fields (16-byte aligned within the block)
-// are read as 4-byte words and re-aligned with one funnel shift per word.
+// are read as 4-byte words and re-aligned with one funnel shift per word; a Q8_0 chunk (two
+// 34-byte blocks, 68 bytes) is 4-byte aligned: 17 words.
 //
 // Work: 256 threads = 8 groups of 32 lanes; a group owns kRpg = 2 weight rows (a gate / up
 // pair for SwiGLU) of a CTA-sized block of 16 rows (group_rows, linear_params.cuh);
@@ -18,20 +20,20 @@
 // weights; Q4_K: qs group g = c % 4 of block c / 4, low nibbles = elements 64c .. 64c + 31
 // = sub-block 2g, high nibbles = 64c + 32 .. 64c + 63 = sub-block 2g + 1; Q6_K: quarter
 // (h, m) = (c % 4 / 2, c % 2) of block c / 4, the four 16-element runs 128h + 16m + 32k,
-// k < 4, which share their ql / qh bytes). The next chunk's loads are in flight while one is
-// summed, and the stream runs on into the next block of rows.
+// k < 4, which share their ql / qh bytes; Q8_0: blocks 2c, 2c + 1). The next chunk's loads
+// are in flight while one is summed, and the stream runs on into the next block of rows.
 //
 // Maths: x times the norm weight in 23-bit integer digits per 32-element block
 // (cuda/digits.cuh), in shared memory once per CTA. Per run of weights (Q4_K: a 32-element
 // sub-block, unsigned q with the high nibbles read in place as 16 q; Q6_K: 16 elements as
-// signed 4 (q - 32), as matvec.cu's digit reader) and row of x: the exact sums S_t (dp4a per
-// byte plane), S = S0 2^16 + (S1 2^8 + S2) (one or two roundings), times the block's grid
-// step (exact), times the run's scale in the accumulating fma; Q4_K then adds its minimum
-// -(dmin mn) times the sub-block's sum of x (one more fma). A lane adds its runs in order and
-// the group reduces with a fixed butterfly, so a row's result depends only on its weights
-// and K, not on n, NR, the tile or the other rows: batch invariance as on matvec.cu's paths
-// (every Q4_K / Q6_K row of such a call comes here, for any n; a Store mixing the two types,
-// QKV with a Q6_K V, is one launch whose blocks of rows each have one type).
+// signed 4 (q - 32), as matvec.cu's digit reader; Q8_0: a block, int8 q) and row of x: the
+// exact sums S_t (dp4a per byte plane), S = S0 2^16 + (S1 2^8 + S2) (one or two roundings),
+// times the block's grid step (exact), times the run's scale in the accumulating fma; Q4_K
+// then adds its minimum -(dmin mn) times the sub-block's sum of x (one more fma). A lane adds
+// its runs in order and the group reduces with a fixed butterfly, so a row's result depends
+// only on its weights and K, not on n, NR, the tile or the other rows: batch invariance as on
+// matvec.cu's paths (every row of such a call comes here, for any n; a Store mixing Q4_K and
+// Q6_K, QKV with a Q6_K V, is one launch whose blocks of rows each have one type).
 #include <algorithm>
 #include <mutex>
 #include <type_traits>
@@ -287,6 +289,62 @@ struct Kq<GgmlType::Q6_K> {
   }
 };
 
+// Q8_0 chunk c = blocks 2c, 2c + 1 (68 bytes from 68c: 4-byte aligned in a 16-byte aligned
+// row): 17 aligned words; block 2c's d and qs start 2 bytes into word 0 (qs re-aligned by a
+// funnel shift of 16 bits), block 2c + 1's d is the high half of word 8 and its qs are words
+// 9 .. 16. Runs = the two blocks (32 elements, scale d).
+template <>
+struct Kq<GgmlType::Q8_0> {
+  static constexpr int kBytes = 34;
+  struct Chunk {
+    uint32_t w[17];
+  };
+  __device__ static void load(const uint8_t* row, int c, Chunk& ch, GgmlType = GgmlType::Q8_0) {
+    const uint32_t* a = reinterpret_cast<const uint32_t*>(row + 2 * kBytes * c);
+#pragma unroll
+    for (int k = 0; k < 17; ++k) ch.w[k] = __ldg(a + k);
+  }
+  template <int NR>
+  __device__ static void dot(const Chunk (&ch)[kRpg], const uint8_t* dig, int plane, int i, int lane,
+                             float (&acc)[kRpg][NR], GgmlType = GgmlType::Q8_0) {
+    const int c = lane + kGroup * i;
+    uint32_t q[kRpg][2][8];  // int8 weights of block 2c + h
+    float d[kRpg][2];
+#pragma unroll
+    for (int rr = 0; rr < kRpg; ++rr) {
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        q[rr][0][k] = __funnelshift_r(ch[rr].w[k], ch[rr].w[k + 1], 16);
+        q[rr][1][k] = ch[rr].w[9 + k];
+      }
+      d[rr][0] = f16_bits(ch[rr].w[0] & 0xFFFF);
+      d[rr][1] = f16_bits(ch[rr].w[8] >> 16);
+    }
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {
+      const uint8_t* row = dig + (size_t)r * digit_row_bytes(plane);
+      const float4 meta = *reinterpret_cast<const float4*>(row + 3 * plane + 16 * c);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {  // block 2c + h: quarters 2h, 2h + 1 of chunk c
+        int S[kRpg][3];
+#pragma unroll
+        for (int rr = 0; rr < kRpg; ++rr) S[rr][0] = S[rr][1] = S[rr][2] = 0;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+#pragma unroll
+          for (int rr = 0; rr < kRpg; ++rr) {
+            const uint32_t w[4] = {q[rr][h][4 * e], q[rr][h][4 * e + 1], q[rr][h][4 * e + 2], q[rr][h][4 * e + 3]};
+            dot16<true>(w, row + digit_run(c, 2 * h + e), plane, S[rr]);
+          }
+        }
+#pragma unroll
+        for (int rr = 0; rr < kRpg; ++rr)
+          acc[rr][r] = fmaf(digit_sum(S[rr]) * (h ? meta.z : meta.x), d[rr][h], acc[rr][r]);
+      }
+    }
+  }
+};
+
 // A Store of both types (QKV with a Q6_K V) in one launch: each block of rows belongs to one
 // weight, so has one type; a chunk's registers hold either type's loads (as words).
 struct KqMix {
@@ -339,6 +397,7 @@ struct KqMix {
 template <class R>
 constexpr int kq_min_blocks(int nr) {
   constexpr bool q4k = std::is_same<R, Kq<GgmlType::Q4_K>>::value, mix = std::is_same<R, KqMix>::value;
+  // (Q8_0 and Q6_K: ~19 words of loads per row and buffer)
   return nr == 1 ? (q4k ? 3 : 2) : nr == 2 ? 2 : (q4k || mix ? 1 : 2);
 }
 
@@ -464,21 +523,27 @@ void launch(const KqParams& p, int nr, int64_t blocks, size_t smem, gpuStream_t 
   }
 }
 
-bool kq_type(GgmlType t) { return t == GgmlType::Q4_K || t == GgmlType::Q6_K; }
 
 }  // namespace
 
 // Takes the call when the digit reader applies (tensor_cores false, SPECD_GPU_DIGITS and
-// SPECD_GPU_DIRECT not "0"), every weight is Q4_K or Q6_K (one type for SwiGLU) with 16-byte
-// aligned rows, n <= 64 and the digits of the largest tile fit the device's shared memory
-// (never a choice by n: batch invariance); returns whether it did.
+// SPECD_GPU_DIRECT not "0"), every weight is Q4_K or Q6_K (one type for SwiGLU), or every
+// weight Q8_0, with 16-byte aligned rows, n <= 64 and the digits of the largest tile fit the
+// device's shared memory (never a choice by n: batch invariance); returns whether it did.
 bool kq_linear(const LinearArgs& a, gpuStream_t s) {
   static const bool on = env_value("SPECD_GPU_DIGITS") != "0" && env_value("SPECD_GPU_DIRECT") != "0";
   if (!on || a.tensor_cores || a.n > kMaxSmallBatch) return false;
+  bool q4 = false, q6 = false, q8 = false;
   for (int j = 0; j < a.n_w; ++j) {
     const GpuWeight& w = *a.w[j];
-    if (!kq_type(w.type) || (uintptr_t)w.data % 16 != 0 || w.row_stride % 16 != 0) return false;
+    if ((uintptr_t)w.data % 16 != 0 || w.row_stride % 16 != 0) return false;
+    if (w.type == GgmlType::Q4_K) q4 = true;
+    else if (w.type == GgmlType::Q6_K) q6 = true;
+    else if (w.type == GgmlType::Q8_0) q8 = true;
+    else return false;
   }
+  if (q8 && (q4 || q6)) return false;
+  if (a.w[0]->n_in % 64 != 0) return false;  // (whole chunks: Q8_0 rows of 32 x odd blocks)
   if (a.ep == Epilogue::SwiGLU && a.w[0]->type != a.w[1]->type) return false;
   const int64_t K = a.w[0]->n_in;
   const int64_t plane = ceil_div(K, kSpan) * kSpan;
@@ -492,9 +557,8 @@ bool kq_linear(const LinearArgs& a, gpuStream_t s) {
   SPECD_CHECK(blocks < (int64_t)1 << 31, "linear: too many output rows");
   p.plane = (int32_t)plane;
   p.n_cb = (int32_t)blocks;
-  bool q4 = false, q6 = false;
-  for (int j = 0; j < a.n_w; ++j) (a.w[j]->type == GgmlType::Q4_K ? q4 : q6) = true;
-  if (q4 && q6) launch<KqMix>(p, nr, blocks, smem, s);
+  if (q8) launch<Kq<GgmlType::Q8_0>>(p, nr, blocks, smem, s);
+  else if (q4 && q6) launch<KqMix>(p, nr, blocks, smem, s);
   else if (q4) launch<Kq<GgmlType::Q4_K>>(p, nr, blocks, smem, s);
   else launch<Kq<GgmlType::Q6_K>>(p, nr, blocks, smem, s);
   return true;
