@@ -1,6 +1,9 @@
 // specd/cuda/matvec.cu: linear() for n <= kMaxSmallBatch rows of x (decode, speculative
 // verify), the argument checks and path choice of linear(), embed_rows, and the testing
-// entry points of both (cuda/testing.h).
+// entry points of both (cuda/testing.h). The kernel here stages the weights through shared
+// memory, which reads every type at any alignment; in engines that do not speculate, calls
+// whose weights are all Q4_K / Q6_K, all Q8_0 (matvec_kq.cu) or all F16 / BF16
+// (matvec_f16.cu) with 16-byte aligned rows go to the direct readers instead.
 //
 // Maths: y[r, o] = sum_k W[o, k] * x[r, k], float32 activations and accumulation, then
 // bias and epilogue (cuda/linear.cuh). Two readers: floats (every type; fused RMSNorm: sum_k

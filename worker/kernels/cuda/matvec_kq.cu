@@ -67,10 +67,9 @@ struct KqParams : LinParams {
 // each, so the 32 lanes of a step read 32 consecutive 16-byte pieces (no bank conflicts);
 // then per chunk a float4 {grid step of sub-block 2c, its sum of x, the same for 2c + 1}.
 __host__ __device__ constexpr int digit_row_bytes(int plane) { return 3 * plane + plane / 4; }
-__device__ __forceinline__ int digit_at(int e) {
-  const int c = e >> 6;
-  return ((((c >> 5) << 2) + ((e >> 4) & 3)) << 9) + ((c & 31) << 4) + (e & 15);
-}
+// where the 16 digits of (chunk c, quarter q) start in each plane; of element e
+__device__ __forceinline__ int digit_run(int c, int q) { return ((((c >> 5) << 2) + q) << 9) + ((c & 31) << 4); }
+__device__ __forceinline__ int digit_at(int e) { return digit_run(e >> 6, (e >> 4) & 3) + (e & 15); }
 
 // The digits of x[r] (times norm_w) for the tile's NR rows, all of K: thread t takes the
 // units (4 elements) t, t + 256, ... of every row (8 consecutive lanes a 32-element block),
@@ -120,9 +119,6 @@ __device__ __forceinline__ void prep_digits(const KqParams& p, const int32_t (&x
     }
   }
 }
-
-// Where the digits of run (chunk cc, 16-element quarter q) of a row start (digit_at).
-__device__ __forceinline__ int digit_run(int cc, int q) { return ((((cc >> 5) << 2) + q) << 9) + ((cc & 31) << 4); }
 
 // Exact integer sums S_t of 16 weight bytes w (4 words; kWSigned: int8, else uint8) times the
 // three digit planes at d (planes `plane` bytes apart), added into S.
