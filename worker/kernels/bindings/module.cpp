@@ -313,7 +313,7 @@ PYBIND11_MODULE(_specd, m) {
             py::array_t<float> out;
             float* dst = nullptr;
             if (want_logits) {
-              out = all_logits ? py::array_t<float>({n, nv}) : py::array_t<float>({nv});
+              out = all_logits ? py::array_t<float>({n, nv}) : py::array_t<float>(nv);
               dst = out.mutable_data();
             }
             const int32_t* tok = tokens.data();

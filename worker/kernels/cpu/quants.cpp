@@ -37,7 +37,6 @@ bool cpu_supports_avx2_fma_f16c() {
 namespace {
 
 constexpr int QK = 32;    // elements per block of the legacy formats
-constexpr int QK_K = 256; // elements per K-quant super-block
 
 inline float half_at(const uint8_t* p) {
   uint16_t h;

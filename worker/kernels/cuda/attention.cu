@@ -450,7 +450,7 @@ __global__ void __launch_bounds__(kAttnThreads) attn_combine_kernel(const AttnPa
     if (d == 0) partL[k] = l;
   }
   __syncthreads();
-  if (threadIdx.x < d4s) {
+  if ((int)threadIdx.x < d4s) {
     float4 a = *reinterpret_cast<const float4*>(partA + d);
     float L = partL[0];
     for (int i = 1; i < K; ++i) {
