@@ -7,12 +7,9 @@
 // (cp.async ring, a group barrier per 512-element stage) costs more instructions than the
 // sums and kept the 8B F16 shape at ~62 % of the copy bandwidth.
 //
-// Work: 256 threads = 8 groups of 32 lanes; a group owns 2 weight rows (a gate / up pair for
-// SwiGLU) of a CTA-sized block of 16 rows (group_rows, linear_params.cuh); persistent CTAs
-// take the blocks blockIdx.x, + gridDim.x, ...; grid.y = tiles of NR <= 4 rows of x. A step
-// covers 4096 elements of a row: lane l loads the 8-element chunks c = l + 32 u + 128 i
-// (u < 4) of both rows, the next step's loads in flight while one is summed, and the stream
-// runs on into the next block of rows.
+// Work (cuda/matvec_direct.cuh: the kernel shared with matvec_kq.cu): a step covers 4096
+// elements of a row: lane l loads the 8-element chunks c = l + 32 u + 128 i (u < 4) of its
+// group's two rows.
 //
 // Maths: x times the norm weight (float32, one rounding) is kept per CTA in shared memory;
 // a lane adds its 8 products per chunk in element order with fmas, chunks in order, and the
@@ -20,11 +17,7 @@
 // end (as matvec.cu's digit path). A row's result depends only on its weights and K, not on
 // n, NR, the tile or the other rows: batch-invariant (every row of such a call comes here,
 // for any n <= 64).
-#include <algorithm>
-#include <mutex>
-
-#include "cuda/linear.cuh"
-#include "cuda/linear_params.cuh"
+#include "cuda/matvec_direct.cuh"
 
 namespace specd {
 namespace gpu {
@@ -33,16 +26,13 @@ bool f16_linear(const LinearArgs& a, gpuStream_t s);
 
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / kGroup;
-constexpr int kRpg = 2;      // weight rows per group
-constexpr int kMaxTile = 4;  // rows of x per CTA
-constexpr int kU = 4;        // 16-byte loads per row and step (chunks l + 32 u)
-constexpr size_t kStaticSmem = 1024;  // room left for the kernel's static shared memory
+using direct::kRpg;
+using direct::kThreads;
+constexpr int kU = 4;  // 16-byte loads per row and step (chunks l + 32 u)
 
 struct F16Params : LinParams {
   int32_t half = 0;  // floats of one half-plane of a row of x: K / 2 rounded up to 4
-  int32_t n_cb = 0;  // blocks of rows (kWarps * kRpg weight rows each)
+  int32_t n_cb = 0;  // blocks of rows (direct::kWarps * kRpg weight rows each)
 };
 
 // x times norm_w of one row in shared memory as two half-planes: elements 8c .. 8c + 3 at
@@ -89,136 +79,56 @@ __device__ __forceinline__ void to_float8(const uint4& v, float (&w)[8]) {
   }
 }
 
-struct Chunks {
-  uint4 v[kU];
-};
-
-template <GgmlType T, int NR>
-__global__ void __launch_bounds__(kThreads, NR == 1 ? 2 : 1) f16_kernel(const F16Params p) {
-  extern __shared__ __align__(16) float xs[];
-  __shared__ float red[kGroup];
-  __shared__ float inv[NR];  // fused RMSNorm factor of each row (1 without the norm)
-  const int lane = threadIdx.x % kGroup, warp = threadIdx.x / kGroup;
-  const int64_t K = p.K, row0 = (int64_t)blockIdx.y * NR;
-  int32_t xoff[NR];  // x row offsets; rows past n repeat row n-1, their results are dropped
-#pragma unroll
-  for (int r = 0; r < NR; ++r) xoff[r] = (int32_t)(min(row0 + r, p.n - 1) * K);
-  const int nc = (int)(K / 8), span = kGroup * kU, ni = (nc + span - 1) / span;  // chunks, steps
-  const int n_cb = p.n_cb, step = (int)gridDim.x, half = p.half;
-
-  // the load stream: step l_i of block l_cb (rows lsrc)
-  int l_cb = blockIdx.x, l_i = 0;
-  const uint8_t* lsrc[kRpg];
-  {
-    int j0;
-    int64_t o;
-    group_rows<kRpg>(p, l_cb, warp, kWarps, j0, o, lsrc);
-  }
-  auto fetch = [&](Chunks (&dst)[kRpg]) {
-    if (l_cb >= n_cb) return;
+// The direct kernel's reader (cuda/matvec_direct.cuh) for weights of type T.
+template <GgmlType T>
+struct F16Reader {
+  using Params = F16Params;
+  struct Chunk {
+    uint4 v[kU];
+  };
+  static constexpr const char* kName = "f16_kernel";
+  static constexpr int kSpan = kGroup * kU;  // chunks of a row per step
+  static constexpr int min_blocks(int nr) { return nr == 1 ? 2 : 1; }
+  __device__ static int units(const Params& p) { return (int)(p.K / 8); }
+  __device__ static void load(const uint8_t* const (&rows)[kRpg], int nc, int lane, int i, Chunk (&ch)[kRpg],
+                              GgmlType) {
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
-      const int c = lane + kGroup * u + span * l_i;
+      const int c = lane + kGroup * u + kSpan * i;
       if (c < nc) {
 #pragma unroll
-        for (int rr = 0; rr < kRpg; ++rr) dst[rr].v[u] = __ldg(reinterpret_cast<const uint4*>(lsrc[rr]) + c);
+        for (int rr = 0; rr < kRpg; ++rr) ch[rr].v[u] = __ldg(reinterpret_cast<const uint4*>(rows[rr]) + c);
       }
     }
-    if (++l_i == ni) {
-      l_i = 0;
-      l_cb += step;
-      if (l_cb < n_cb) {
-        int j0;
-        int64_t o;
-        group_rows<kRpg>(p, l_cb, warp, kWarps, j0, o, lsrc);
+  }
+  template <int NR>
+  __device__ static void prep(const Params& p, const int32_t (&xoff)[NR], uint8_t* smem, float* ss) {
+    prep_x<NR>(p, xoff, reinterpret_cast<float*>(smem), ss);
+  }
+  template <int NR>
+  __device__ static void dot(const Params& p, const Chunk (&ch)[kRpg], const uint8_t* smem, int nc, int i, int lane,
+                             float (&acc)[kRpg][NR], GgmlType) {
+    const float* xs = reinterpret_cast<const float*>(smem);
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int c = lane + kGroup * u + kSpan * i;
+      if (c >= nc) break;
+      float w[kRpg][8];
+#pragma unroll
+      for (int rr = 0; rr < kRpg; ++rr) to_float8<T>(ch[rr].v[u], w[rr]);
+#pragma unroll
+      for (int r = 0; r < NR; ++r) {
+        const float4* row = reinterpret_cast<const float4*>(xs + (size_t)r * x_row_floats(p.half));
+        const float4 a = row[c], b = row[p.half / 4 + c];
+        const float x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+        for (int rr = 0; rr < kRpg; ++rr)
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[rr][r] = fmaf(w[rr][e], x[e], acc[rr][r]);
       }
     }
-  };
-  Chunks cur[kRpg], nxt[kRpg];
-  fetch(cur);
-
-  gpu_grid_wait();
-  gpu_grid_launch_dependents();
-
-  if (p.norm_w != nullptr) {
-    float ss[NR];
-#pragma unroll
-    for (int r = 0; r < NR; ++r) ss[r] = 0.f;
-    prep_x<NR>(p, xoff, xs, ss);
-#pragma unroll
-    for (int r = 0; r < NR; ++r) {
-      const float t = block_sum(ss[r], red);
-      if (threadIdx.x == 0) inv[r] = rsqrtf(t / (float)K + p.eps);
-    }
-  } else {
-    prep_x<NR>(p, xoff, xs, nullptr);
-    if (threadIdx.x < NR) inv[threadIdx.x] = 1.f;
   }
-  __syncthreads();  // inv[] and x are visible
-
-  for (int cb = blockIdx.x; cb < n_cb; cb += step) {
-    float acc[kRpg][NR];
-#pragma unroll
-    for (int rr = 0; rr < kRpg; ++rr)
-#pragma unroll
-      for (int r = 0; r < NR; ++r) acc[rr][r] = 0.f;
-    for (int i = 0; i < ni; ++i) {
-      fetch(nxt);
-#pragma unroll
-      for (int u = 0; u < kU; ++u) {
-        const int c = lane + kGroup * u + span * i;
-        if (c >= nc) break;
-        float w[kRpg][8];
-#pragma unroll
-        for (int rr = 0; rr < kRpg; ++rr) to_float8<T>(cur[rr].v[u], w[rr]);
-#pragma unroll
-        for (int r = 0; r < NR; ++r) {
-          const float4* row = reinterpret_cast<const float4*>(xs + (size_t)r * x_row_floats(half));
-          const float4 a = row[c], b = row[half / 4 + c];
-          const float x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-#pragma unroll
-          for (int rr = 0; rr < kRpg; ++rr)
-#pragma unroll
-            for (int e = 0; e < 8; ++e) acc[rr][r] = fmaf(w[rr][e], x[e], acc[rr][r]);
-        }
-      }
-#pragma unroll
-      for (int rr = 0; rr < kRpg; ++rr) cur[rr] = nxt[rr];
-    }
-    int j0;
-    int64_t o_first;
-    const uint8_t* src[kRpg];
-    group_rows<kRpg>(p, cb, warp, kWarps, j0, o_first, src);
-#pragma unroll
-    for (int rr = 0; rr < kRpg; ++rr)
-#pragma unroll
-      for (int r = 0; r < NR; ++r) acc[rr][r] = group_sum(acc[rr][r]) * inv[r];
-    group_store<kRpg, NR>(p, lane, row0, j0, o_first, acc);
-  }
-}
-
-template <GgmlType T, int NR>
-void launch(const F16Params& p, int64_t blocks, size_t smem, gpuStream_t s) {
-  static std::once_flag once;  // allow the device's largest shared memory once per kernel
-  std::call_once(once, [] {
-    SPECD_GPU_CHECK(gpuFuncSetAttribute((f16_kernel<T, NR>), gpuFuncAttributeMaxDynamicSharedMemorySize,
-                                        (int)(dev_limits().smem_per_block - kStaticSmem)));
-  });
-  int per_sm = 0;  // persistent CTAs: as many as fit at once
-  SPECD_GPU_CHECK(gpuOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, (f16_kernel<T, NR>), kThreads, smem));
-  const int64_t ctas = std::min<int64_t>(blocks, (int64_t)std::max(per_sm, 1) * dev_limits().sms);
-  const dim3 grid((unsigned)ctas, (unsigned)ceil_div(p.n, NR));
-  gpu_launch("f16_kernel", f16_kernel<T, NR>, grid, dim3(kThreads), smem, s, p);
-}
-
-template <GgmlType T>
-void launch(const F16Params& p, int nr, int64_t blocks, size_t smem, gpuStream_t s) {
-  switch (nr) {
-    case 1: launch<T, 1>(p, blocks, smem, s); break;
-    case 2: launch<T, 2>(p, blocks, smem, s); break;
-    default: launch<T, kMaxTile>(p, blocks, smem, s); break;
-  }
-}
+};
 
 }  // namespace
 
@@ -226,29 +136,18 @@ void launch(const F16Params& p, int nr, int64_t blocks, size_t smem, gpuStream_t
 // (or every weight BF16) with 16-byte aligned rows, n <= 64 and x for the largest tile fits
 // the device's shared memory (never a choice by n: batch invariance); returns whether it did.
 bool f16_linear(const LinearArgs& a, gpuStream_t s) {
-  static const bool on = env_value("SPECD_GPU_DIRECT") != "0";
-  if (!on || a.tensor_cores || a.n > kMaxSmallBatch) return false;
+  if (!direct::applies(a)) return false;
   const GgmlType t = a.w[0]->type;
   if (t != GgmlType::F16 && t != GgmlType::BF16) return false;
-  for (int j = 0; j < a.n_w; ++j) {
-    const GpuWeight& w = *a.w[j];
-    if (w.type != t || (uintptr_t)w.data % 16 != 0 || w.row_stride % 16 != 0) return false;
-  }
+  for (int j = 1; j < a.n_w; ++j)
+    if (a.w[j]->type != t) return false;
   const int64_t K = a.w[0]->n_in;
   const int64_t half = ceil_div(K / 2, 4) * 4;
-  if (K % 8 != 0 || half >= (1 << 27) ||
-      (size_t)kMaxTile * x_row_floats((int)half) * sizeof(float) + kStaticSmem > dev_limits().smem_per_block)
-    return false;
-  SPECD_CHECK(a.n * K < (int64_t)1 << 31, "linear: x has more than 2^31 elements");
-  const int nr = a.n <= 1 ? 1 : a.n <= 2 ? 2 : kMaxTile;
-  const size_t smem = (size_t)nr * x_row_floats((int)half) * sizeof(float);
-  F16Params p;
-  const int64_t blocks = fill_params(p, a, (int64_t)kWarps * kRpg);
-  SPECD_CHECK(blocks < (int64_t)1 << 31, "linear: too many output rows");
-  p.half = (int32_t)half;
-  p.n_cb = (int32_t)blocks;
-  if (t == GgmlType::F16) launch<GgmlType::F16>(p, nr, blocks, smem, s);
-  else launch<GgmlType::BF16>(p, nr, blocks, smem, s);
+  const size_t row_bytes = (size_t)x_row_floats((int)std::min<int64_t>(half, 1 << 27)) * sizeof(float);
+  if (K % 8 != 0 || half >= (1 << 27) || !direct::tile_fits(row_bytes)) return false;
+  const auto fill = [half](F16Params& p) { p.half = (int32_t)half; };
+  if (t == GgmlType::F16) direct::launch<F16Reader<GgmlType::F16>>(a, row_bytes, s, fill);
+  else direct::launch<F16Reader<GgmlType::BF16>>(a, row_bytes, s, fill);
   return true;
 }
 

@@ -13,15 +13,12 @@
 // are read as 4-byte words and re-aligned with one funnel shift per word; a Q8_0 chunk (two
 // 34-byte blocks, 68 bytes) is 4-byte aligned: 17 words.
 //
-// Work: 256 threads = 8 groups of 32 lanes; a group owns kRpg = 2 weight rows (a gate / up
-// pair for SwiGLU) of a CTA-sized block of 16 rows (group_rows, linear_params.cuh);
-// persistent CTAs take the blocks blockIdx.x, + gridDim.x, ...; grid.y = tiles of NR <= 4
-// rows of x. Lane l takes the chunks c = l + 32 i of its rows, i = 0, 1, ... (a chunk = 64
-// weights; Q4_K: qs group g = c % 4 of block c / 4, low nibbles = elements 64c .. 64c + 31
-// = sub-block 2g, high nibbles = 64c + 32 .. 64c + 63 = sub-block 2g + 1; Q6_K: quarter
-// (h, m) = (c % 4 / 2, c % 2) of block c / 4, the four 16-element runs 128h + 16m + 32k,
-// k < 4, which share their ql / qh bytes; Q8_0: blocks 2c, 2c + 1). The next chunk's loads
-// are in flight while one is summed, and the stream runs on into the next block of rows.
+// Work (cuda/matvec_direct.cuh: the kernel shared with matvec_f16.cu): lane l takes the
+// chunks c = l + 32 i of its group's rows, i = 0, 1, ... (a chunk = 64 weights; Q4_K: qs
+// group g = c % 4 of block c / 4, low nibbles = elements 64c .. 64c + 31 = sub-block 2g, high
+// nibbles = 64c + 32 .. 64c + 63 = sub-block 2g + 1; Q6_K: quarter (h, m) = (c % 4 / 2, c % 2)
+// of block c / 4, the four 16-element runs 128h + 16m + 32k, k < 4, which share their ql / qh
+// bytes; Q8_0: blocks 2c, 2c + 1).
 //
 // Maths: x times the norm weight in 23-bit integer digits per 32-element block
 // (cuda/digits.cuh), in shared memory once per CTA. Per run of weights (Q4_K: a 32-element
@@ -34,13 +31,10 @@
 // only on its weights and K, not on n, NR, the tile or the other rows: batch invariance as on
 // matvec.cu's paths (every row of such a call comes here, for any n; a Store mixing Q4_K and
 // Q6_K, QKV with a Q6_K V, is one launch whose blocks of rows each have one type).
-#include <algorithm>
-#include <mutex>
 #include <type_traits>
 
 #include "cuda/digits.cuh"
-#include "cuda/linear.cuh"
-#include "cuda/linear_params.cuh"
+#include "cuda/matvec_direct.cuh"
 #include "cuda/quants.cuh"
 
 namespace specd {
@@ -50,16 +44,13 @@ bool kq_linear(const LinearArgs& a, gpuStream_t s);
 
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / kGroup;
-constexpr int kRpg = 2;       // weight rows per group
-constexpr int kMaxTile = 4;   // rows of x per CTA
-constexpr int kSpan = 2048;   // elements the 32 lanes of a group cover in one step
-constexpr size_t kStaticSmem = 1024;  // room left for the kernel's static shared memory
+using direct::kRpg;
+using direct::kThreads;
+constexpr int kSpan = 2048;  // elements the 32 lanes of a group cover in one step
 
 struct KqParams : LinParams {
   int32_t plane = 0;  // bytes of one digit plane of a row of x (K rounded up to kSpan)
-  int32_t n_cb = 0;   // blocks of rows (kWarps * kRpg weight rows each)
+  int32_t n_cb = 0;   // blocks of rows (direct::kWarps * kRpg weight rows each)
 };
 
 // Digits of one row of x in shared memory: planes D0, D1, D2 (`plane` bytes each), element
@@ -389,136 +380,38 @@ struct KqMix {
   }
 };
 
-// Blocks per multiprocessor the kernel is compiled for (registers per thread follow: no spills).
-template <class R>
-constexpr int kq_min_blocks(int nr) {
-  constexpr bool q4k = std::is_same<R, Kq<GgmlType::Q4_K>>::value, mix = std::is_same<R, KqMix>::value;
-  // (Q8_0 and Q6_K: ~19 words of loads per row and buffer)
-  return nr == 1 ? (q4k ? 3 : 2) : nr == 2 ? 2 : (q4k || mix ? 1 : 2);
-}
-
-// Programmatic dependent launch (sm_90): the first chunks' loads are issued before
-// gpu_grid_wait() (weights only), so they overlap the end of the kernel this one depends on.
-template <class R, int NR>
-__global__ void __launch_bounds__(kThreads, kq_min_blocks<R>(NR)) kq_kernel(const KqParams p) {
-  extern __shared__ __align__(16) uint8_t dig[];
-  __shared__ float red[kGroup];
-  __shared__ float inv[NR];  // fused RMSNorm factor of each row (1 without the norm)
-  const int lane = threadIdx.x % kGroup, warp = threadIdx.x / kGroup;
-  const int64_t K = p.K, row0 = (int64_t)blockIdx.y * NR;
-  int32_t xoff[NR];  // x row offsets; rows past n repeat row n-1, their results are dropped
-#pragma unroll
-  for (int r = 0; r < NR; ++r) xoff[r] = (int32_t)(min(row0 + r, p.n - 1) * K);
-  const int nc = (int)(K / 64), ni = (nc + kGroup - 1) / kGroup;  // chunks per row, steps
-  const int n_cb = p.n_cb, step = (int)gridDim.x;
-
-  // the load stream: step l_i of block l_cb (rows lsrc)
-  int l_cb = blockIdx.x, l_i = 0;
-  const uint8_t* lsrc[kRpg];
-  GgmlType ltype;  // (its weight's type)
-  {
-    int j0;
-    int64_t o;
-    group_rows<kRpg>(p, l_cb, warp, kWarps, j0, o, lsrc);
-    ltype = p.w[j0].type;
+// The direct kernel's reader (cuda/matvec_direct.cuh) for chunks of type K (Kq<T> or KqMix).
+template <class K>
+struct KqReader {
+  using Params = KqParams;
+  using Chunk = typename K::Chunk;
+  static constexpr const char* kName = "kq_kernel";
+  static constexpr int kSpan = kGroup;  // chunks of a row per step
+  // CTAs per SM the kernel is compiled for (registers per thread follow: no spills; Q8_0 and
+  // Q6_K load ~19 words per row and buffer)
+  static constexpr int min_blocks(int nr) {
+    constexpr bool q4k = std::is_same<K, Kq<GgmlType::Q4_K>>::value, mix = std::is_same<K, KqMix>::value;
+    return nr == 1 ? (q4k ? 3 : 2) : nr == 2 ? 2 : (q4k || mix ? 1 : 2);
   }
-  auto fetch = [&](typename R::Chunk (&dst)[kRpg]) {
-    if (l_cb >= n_cb) return;
-    const int c = lane + kGroup * l_i;
+  __device__ static int units(const Params& p) { return (int)(p.K / 64); }
+  __device__ static void load(const uint8_t* const (&rows)[kRpg], int nc, int lane, int i, Chunk (&ch)[kRpg],
+                              GgmlType t) {
+    const int c = lane + kGroup * i;
     if (c < nc) {
 #pragma unroll
-      for (int rr = 0; rr < kRpg; ++rr) R::load(lsrc[rr], c, dst[rr], ltype);
+      for (int rr = 0; rr < kRpg; ++rr) K::load(rows[rr], c, ch[rr], t);
     }
-    if (++l_i == ni) {
-      l_i = 0;
-      l_cb += step;
-      if (l_cb < n_cb) {
-        int j0;
-        int64_t o;
-        group_rows<kRpg>(p, l_cb, warp, kWarps, j0, o, lsrc);
-        ltype = p.w[j0].type;
-      }
-    }
-  };
-  typename R::Chunk cur[kRpg], nxt[kRpg];
-  fetch(cur);
-
-  gpu_grid_wait();
-  gpu_grid_launch_dependents();
-
-  // inv_r = 1/sqrt(mean(x_r^2) + eps): one fixed-order CTA reduction per row, in the same
-  // pass over x as the digits
-  if (p.norm_w != nullptr) {
-    float ss[NR];
-#pragma unroll
-    for (int r = 0; r < NR; ++r) ss[r] = 0.f;
-    prep_digits<NR>(p, xoff, dig, ss);
-#pragma unroll
-    for (int r = 0; r < NR; ++r) {
-      const float t = block_sum(ss[r], red);
-      if (threadIdx.x == 0) inv[r] = rsqrtf(t / (float)K + p.eps);
-    }
-  } else {
-    prep_digits<NR>(p, xoff, dig, nullptr);
-    if (threadIdx.x < NR) inv[threadIdx.x] = 1.f;
   }
-  __syncthreads();  // inv[] and the digits are visible
-
-  for (int cb = blockIdx.x; cb < n_cb; cb += step) {
-    GgmlType type;  // (KqMix's choice; the single-type readers ignore it)
-    {
-      int j;
-      int64_t o;
-      const uint8_t* src[kRpg];
-      group_rows<kRpg>(p, cb, warp, kWarps, j, o, src);
-      type = p.w[j].type;
-    }
-    float acc[kRpg][NR];
-#pragma unroll
-    for (int rr = 0; rr < kRpg; ++rr)
-#pragma unroll
-      for (int r = 0; r < NR; ++r) acc[rr][r] = 0.f;
-    for (int i = 0; i < ni; ++i) {
-      fetch(nxt);
-      if (lane + kGroup * i < nc) R::template dot<NR>(cur, dig, p.plane, i, lane, acc, type);
-#pragma unroll
-      for (int rr = 0; rr < kRpg; ++rr) cur[rr] = nxt[rr];
-    }
-    int j0;
-    int64_t o_first;
-    const uint8_t* src[kRpg];
-    group_rows<kRpg>(p, cb, warp, kWarps, j0, o_first, src);
-#pragma unroll
-    for (int rr = 0; rr < kRpg; ++rr)
-#pragma unroll
-      for (int r = 0; r < NR; ++r) acc[rr][r] = group_sum(acc[rr][r]) * inv[r];
-    group_store<kRpg, NR>(p, lane, row0, j0, o_first, acc);
+  template <int NR>
+  __device__ static void prep(const Params& p, const int32_t (&xoff)[NR], uint8_t* smem, float* ss) {
+    prep_digits<NR>(p, xoff, smem, ss);
   }
-}
-
-template <class R, int NR>
-void launch(const KqParams& p, int64_t blocks, size_t smem, gpuStream_t s) {
-  static std::once_flag once;  // allow the device's largest shared memory once per kernel
-  std::call_once(once, [] {
-    SPECD_GPU_CHECK(gpuFuncSetAttribute((kq_kernel<R, NR>), gpuFuncAttributeMaxDynamicSharedMemorySize,
-                                        (int)(dev_limits().smem_per_block - kStaticSmem)));
-  });
-  int per_sm = 0;  // persistent CTAs: as many as fit at once
-  SPECD_GPU_CHECK(gpuOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, (kq_kernel<R, NR>), kThreads, smem));
-  const int64_t ctas = std::min<int64_t>(blocks, (int64_t)std::max(per_sm, 1) * dev_limits().sms);
-  const dim3 grid((unsigned)ctas, (unsigned)ceil_div(p.n, NR));
-  gpu_launch("kq_kernel", kq_kernel<R, NR>, grid, dim3(kThreads), smem, s, p);
-}
-
-template <class R>
-void launch(const KqParams& p, int nr, int64_t blocks, size_t smem, gpuStream_t s) {
-  switch (nr) {
-    case 1: launch<R, 1>(p, blocks, smem, s); break;
-    case 2: launch<R, 2>(p, blocks, smem, s); break;
-    default: launch<R, kMaxTile>(p, blocks, smem, s); break;
+  template <int NR>
+  __device__ static void dot(const Params& p, const Chunk (&ch)[kRpg], const uint8_t* smem, int nc, int i, int lane,
+                             float (&acc)[kRpg][NR], GgmlType t) {
+    if (lane + kGroup * i < nc) K::template dot<NR>(ch, smem, p.plane, i, lane, acc, t);
   }
-}
-
+};
 
 }  // namespace
 
@@ -527,36 +420,27 @@ void launch(const KqParams& p, int nr, int64_t blocks, size_t smem, gpuStream_t 
 // weight Q8_0, with 16-byte aligned rows, n <= 64 and the digits of the largest tile fit the
 // device's shared memory (never a choice by n: batch invariance); returns whether it did.
 bool kq_linear(const LinearArgs& a, gpuStream_t s) {
-  static const bool on = env_value("SPECD_GPU_DIGITS") != "0" && env_value("SPECD_GPU_DIRECT") != "0";
-  if (!on || a.tensor_cores || a.n > kMaxSmallBatch) return false;
+  static const bool digits = env_value("SPECD_GPU_DIGITS") != "0";
+  if (!digits || !direct::applies(a)) return false;
   bool q4 = false, q6 = false, q8 = false;
   for (int j = 0; j < a.n_w; ++j) {
-    const GpuWeight& w = *a.w[j];
-    if ((uintptr_t)w.data % 16 != 0 || w.row_stride % 16 != 0) return false;
-    if (w.type == GgmlType::Q4_K) q4 = true;
-    else if (w.type == GgmlType::Q6_K) q6 = true;
-    else if (w.type == GgmlType::Q8_0) q8 = true;
+    const GgmlType t = a.w[j]->type;
+    if (t == GgmlType::Q4_K) q4 = true;
+    else if (t == GgmlType::Q6_K) q6 = true;
+    else if (t == GgmlType::Q8_0) q8 = true;
     else return false;
   }
   if (q8 && (q4 || q6)) return false;
   if (a.w[0]->n_in % 64 != 0) return false;  // (whole chunks: Q8_0 rows of 32 x odd blocks)
   if (a.ep == Epilogue::SwiGLU && a.w[0]->type != a.w[1]->type) return false;
-  const int64_t K = a.w[0]->n_in;
-  const int64_t plane = ceil_div(K, kSpan) * kSpan;
-  if (plane >= (1 << 28) || (size_t)kMaxTile * digit_row_bytes((int)plane) + kStaticSmem > dev_limits().smem_per_block)
-    return false;
-  SPECD_CHECK(a.n * K < (int64_t)1 << 31, "linear: x has more than 2^31 elements");
-  const int nr = a.n <= 1 ? 1 : a.n <= 2 ? 2 : kMaxTile;
-  const size_t smem = (size_t)nr * digit_row_bytes((int)plane);
-  KqParams p;
-  const int64_t blocks = fill_params(p, a, (int64_t)kWarps * kRpg);
-  SPECD_CHECK(blocks < (int64_t)1 << 31, "linear: too many output rows");
-  p.plane = (int32_t)plane;
-  p.n_cb = (int32_t)blocks;
-  if (q8) launch<Kq<GgmlType::Q8_0>>(p, nr, blocks, smem, s);
-  else if (q4 && q6) launch<KqMix>(p, nr, blocks, smem, s);
-  else if (q4) launch<Kq<GgmlType::Q4_K>>(p, nr, blocks, smem, s);
-  else launch<Kq<GgmlType::Q6_K>>(p, nr, blocks, smem, s);
+  const int64_t plane = ceil_div(a.w[0]->n_in, kSpan) * kSpan;
+  if (plane >= (1 << 28) || !direct::tile_fits(digit_row_bytes((int)plane))) return false;
+  const auto fill = [plane](KqParams& p) { p.plane = (int32_t)plane; };
+  const size_t row_bytes = digit_row_bytes((int)plane);
+  if (q8) direct::launch<KqReader<Kq<GgmlType::Q8_0>>>(a, row_bytes, s, fill);
+  else if (q4 && q6) direct::launch<KqReader<KqMix>>(a, row_bytes, s, fill);
+  else if (q4) direct::launch<KqReader<Kq<GgmlType::Q4_K>>>(a, row_bytes, s, fill);
+  else direct::launch<KqReader<Kq<GgmlType::Q6_K>>>(a, row_bytes, s, fill);
   return true;
 }
 

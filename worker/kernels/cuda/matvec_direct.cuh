@@ -1,0 +1,190 @@
+// specd/cuda/matvec_direct.cuh: the kernel and launcher the direct readers of linear() share
+// (matvec_kq.cu: Q4_K / Q6_K / Q8_0 against integer digits of x; matvec_f16.cu: F16 / BF16),
+// for n <= kMaxSmallBatch rows of x in engines that do not speculate: each lane loads the
+// weight bytes it sums straight into registers, with no staging through shared memory.
+//
+// Work: 256 threads = 8 groups of 32 lanes; a group owns kRpg = 2 weight rows (a gate / up
+// pair for SwiGLU) of a CTA-sized block of 16 rows (group_rows, linear_params.cuh);
+// persistent CTAs take the blocks blockIdx.x, + gridDim.x, ...; grid.y = tiles of NR <= 4
+// rows of x. A row is read in steps of R::kSpan chunks (the reader's unit of loading); the
+// next step's loads are in flight while one is summed, the first is issued before the grid
+// dependency wait (weights only: it overlaps the end of the kernel this one depends on), and
+// the stream runs on into the next block of rows. x (times the norm weight) is prepared once
+// per CTA in shared memory by the reader; the RMSNorm factor inv_r multiplies each row's sum
+// at the end. A lane adds its chunks in order and the group reduces with a fixed butterfly,
+// so a row's result depends only on its weights and K: batch-invariant for every n <= 64.
+//
+// A reader R provides:
+//   Params (LinParams plus n_cb, the blocks of rows, and its own fields), Chunk (one row's
+//   registers of a step), kName, kSpan, min_blocks(nr) (CTAs per SM the kernel is compiled
+//   for), units(p) (chunks of a row), load(rows, nc, lane, i, ch, type) (step i of the
+//   group's rows; chunks >= nc untouched), prep<NR>(p, xoff, smem, ss) (x of the tile into
+//   shared memory; with ss, each row's sum of squares in a fixed order) and
+//   dot<NR>(p, ch, smem, nc, i, lane, acc, type) (the sums of step i). `type` is the block's
+//   weight type, for readers of mixed calls.
+#pragma once
+#include <algorithm>
+#include <cstdint>
+#include <mutex>
+
+#include "cuda/linear.cuh"
+#include "cuda/linear_params.cuh"
+
+namespace specd {
+namespace gpu {
+namespace direct {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / kGroup;
+constexpr int kRpg = 2;      // weight rows per group
+constexpr int kMaxTile = 4;  // rows of x per CTA
+constexpr size_t kStaticSmem = 1024;  // room left for the kernel's static shared memory
+
+template <class R, int NR>
+__global__ void __launch_bounds__(kThreads, R::min_blocks(NR)) direct_kernel(const typename R::Params p) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ float red[kGroup];
+  __shared__ float inv[NR];  // fused RMSNorm factor of each row (1 without the norm)
+  const int lane = threadIdx.x % kGroup, warp = threadIdx.x / kGroup;
+  const int64_t K = p.K, row0 = (int64_t)blockIdx.y * NR;
+  int32_t xoff[NR];  // x row offsets; rows past n repeat row n-1, their results are dropped
+#pragma unroll
+  for (int r = 0; r < NR; ++r) xoff[r] = (int32_t)(min(row0 + r, p.n - 1) * K);
+  const int nc = R::units(p), ni = (nc + R::kSpan - 1) / R::kSpan;  // chunks per row, steps
+  const int n_cb = p.n_cb, step = (int)gridDim.x;
+
+  // the load stream: step l_i of block l_cb (rows lsrc, of type ltype)
+  int l_cb = blockIdx.x, l_i = 0;
+  const uint8_t* lsrc[kRpg];
+  GgmlType ltype;
+  {
+    int j0;
+    int64_t o;
+    group_rows<kRpg>(p, l_cb, warp, kWarps, j0, o, lsrc);
+    ltype = p.w[j0].type;
+  }
+  auto fetch = [&](typename R::Chunk (&dst)[kRpg]) {
+    if (l_cb >= n_cb) return;
+    R::load(lsrc, nc, lane, l_i, dst, ltype);
+    if (++l_i == ni) {
+      l_i = 0;
+      l_cb += step;
+      if (l_cb < n_cb) {
+        int j0;
+        int64_t o;
+        group_rows<kRpg>(p, l_cb, warp, kWarps, j0, o, lsrc);
+        ltype = p.w[j0].type;
+      }
+    }
+  };
+  typename R::Chunk cur[kRpg], nxt[kRpg];
+  fetch(cur);
+
+  gpu_grid_wait();
+  gpu_grid_launch_dependents();
+
+  // inv_r = 1/sqrt(mean(x_r^2) + eps): one fixed-order CTA reduction per row, in the same
+  // pass over x as its preparation
+  if (p.norm_w != nullptr) {
+    float ss[NR];
+#pragma unroll
+    for (int r = 0; r < NR; ++r) ss[r] = 0.f;
+    R::template prep<NR>(p, xoff, smem, ss);
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {
+      const float t = block_sum(ss[r], red);
+      if (threadIdx.x == 0) inv[r] = rsqrtf(t / (float)K + p.eps);
+    }
+  } else {
+    R::template prep<NR>(p, xoff, smem, nullptr);
+    if (threadIdx.x < NR) inv[threadIdx.x] = 1.f;
+  }
+  __syncthreads();  // inv[] and x are visible
+
+  for (int cb = blockIdx.x; cb < n_cb; cb += step) {
+    GgmlType type;  // (for readers of mixed calls; the others ignore it)
+    {
+      int j;
+      int64_t o;
+      const uint8_t* src[kRpg];
+      group_rows<kRpg>(p, cb, warp, kWarps, j, o, src);
+      type = p.w[j].type;
+    }
+    float acc[kRpg][NR];
+#pragma unroll
+    for (int rr = 0; rr < kRpg; ++rr)
+#pragma unroll
+      for (int r = 0; r < NR; ++r) acc[rr][r] = 0.f;
+    for (int i = 0; i < ni; ++i) {
+      fetch(nxt);
+      R::template dot<NR>(p, cur, smem, nc, i, lane, acc, type);
+#pragma unroll
+      for (int rr = 0; rr < kRpg; ++rr) cur[rr] = nxt[rr];
+    }
+    int j0;
+    int64_t o_first;
+    const uint8_t* src[kRpg];
+    group_rows<kRpg>(p, cb, warp, kWarps, j0, o_first, src);
+#pragma unroll
+    for (int rr = 0; rr < kRpg; ++rr)
+#pragma unroll
+      for (int r = 0; r < NR; ++r) acc[rr][r] = group_sum(acc[rr][r]) * inv[r];
+    group_store<kRpg, NR>(p, lane, row0, j0, o_first, acc);
+  }
+}
+
+template <class R, int NR>
+void launch_tile(const typename R::Params& p, size_t smem, gpuStream_t s) {
+  static std::once_flag once;  // allow the device's largest shared memory once per kernel
+  std::call_once(once, [] {
+    SPECD_GPU_CHECK(gpuFuncSetAttribute((direct_kernel<R, NR>), gpuFuncAttributeMaxDynamicSharedMemorySize,
+                                        (int)(dev_limits().smem_per_block - kStaticSmem)));
+  });
+  int per_sm = 0;  // persistent CTAs: as many as fit at once
+  SPECD_GPU_CHECK(gpuOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, (direct_kernel<R, NR>), kThreads, smem));
+  const int64_t ctas = std::min<int64_t>(p.n_cb, (int64_t)std::max(per_sm, 1) * dev_limits().sms);
+  const dim3 grid((unsigned)ctas, (unsigned)ceil_div(p.n, NR));
+  gpu_launch(R::kName, direct_kernel<R, NR>, grid, dim3(kThreads), smem, s, p);
+}
+
+// What every direct reader needs of a call: SPECD_GPU_DIRECT not "0", an engine that does not
+// speculate (tensor_cores false), n <= kMaxSmallBatch, 16-byte aligned data and rows.
+inline bool applies(const LinearArgs& a) {
+  static const bool on = env_value("SPECD_GPU_DIRECT") != "0";
+  if (!on || a.tensor_cores || a.n > kMaxSmallBatch) return false;
+  for (int j = 0; j < a.n_w; ++j)
+    if ((uintptr_t)a.w[j]->data % 16 != 0 || a.w[j]->row_stride % 16 != 0) return false;
+  return true;
+}
+
+// Whether `row_bytes` of shared memory per row of x fit the largest tile on this device (the
+// choice never depends on n: batch invariance).
+inline bool tile_fits(size_t row_bytes) {
+  return (size_t)kMaxTile * row_bytes + kStaticSmem <= dev_limits().smem_per_block;
+}
+
+// Rows of x per CTA for a call of n rows.
+inline int tile_rows(int64_t n) { return n <= 1 ? 1 : n <= 2 ? 2 : kMaxTile; }
+
+// The call's parameters (the LinParams part and n_cb), then the launch with `row_bytes` of
+// shared memory per row of x of the tile; `fill` sets the reader's own fields.
+template <class R, class F>
+void launch(const LinearArgs& a, size_t row_bytes, gpuStream_t s, F&& fill) {
+  SPECD_CHECK(a.n * a.w[0]->n_in < (int64_t)1 << 31, "linear: x has more than 2^31 elements");
+  typename R::Params p;
+  const int64_t blocks = fill_params(p, a, (int64_t)kWarps * kRpg);
+  SPECD_CHECK(blocks < (int64_t)1 << 31, "linear: too many output rows");
+  p.n_cb = (int32_t)blocks;
+  fill(p);
+  const int nr = tile_rows(a.n);
+  const size_t smem = (size_t)nr * row_bytes;
+  switch (nr) {
+    case 1: launch_tile<R, 1>(p, smem, s); break;
+    case 2: launch_tile<R, 2>(p, smem, s); break;
+    default: launch_tile<R, kMaxTile>(p, smem, s); break;
+  }
+}
+
+}  // namespace direct
+}  // namespace gpu
+}  // namespace specd
