@@ -99,6 +99,23 @@ __device__ __forceinline__ void group_rows(const P& p, int cb, int warp, int war
   }
 }
 
+// The epilogue of one value of a Store / Accumulate: output o of weight w (its bias, its
+// column) into the row yr of y.
+template <class W>
+__device__ __forceinline__ void store_value(Epilogue ep, const W& w, float* yr, int64_t o, float v) {
+  if (w.bias) v += w.bias[o];
+  if (ep == Epilogue::Accumulate) yr[w.col + o] += v;
+  else yr[w.col + o] = v;
+}
+
+// The epilogue of one SwiGLU output o: silu(g + gate bias) (u + up bias) into the row yr.
+template <class P>
+__device__ __forceinline__ void store_swiglu(const P& p, float* yr, int64_t o, float g, float u) {
+  if (p.w[0].bias) g += p.w[0].bias[o];
+  if (p.w[1].bias) u += p.w[1].bias[o];
+  yr[o] = g / (1.f + __expf(-g)) * u;
+}
+
 // The group's results (acc: reduced over the group, times the norm factor) into y for the
 // tile's rows row0 .. row0 + NR - 1 (< n), one lane per value, with bias and epilogue.
 template <int RPG, int NR, class P>
@@ -115,18 +132,12 @@ __device__ __forceinline__ void group_store(const P& p, int lane, int64_t row0, 
         if constexpr (RPG % 2 == 0) {
           const int64_t o = o_first + rr / 2;
           if ((rr & 1) || o >= p.w[0].n_out) continue;
-          float g = acc[rr][r], u = acc[rr | 1][r];
-          if (p.w[0].bias) g += p.w[0].bias[o];
-          if (p.w[1].bias) u += p.w[1].bias[o];
-          yr[o] = g / (1.f + __expf(-g)) * u;
+          store_swiglu(p, yr, o, acc[rr][r], acc[rr | 1][r]);
         }
       } else {
         const int64_t o = o_first + rr;
         if (o >= w0.n_out) continue;
-        float v = acc[rr][r];
-        if (w0.bias) v += w0.bias[o];
-        if (p.ep == Epilogue::Accumulate) yr[w0.col + o] += v;
-        else yr[w0.col + o] = v;
+        store_value(p.ep, w0, yr, o, acc[rr][r]);
       }
     }
 }

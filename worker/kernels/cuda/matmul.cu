@@ -125,17 +125,11 @@ __device__ __forceinline__ void store_tile(const MmParams& p, const float* Cs, i
     float* yr = p.y + m * p.ldy;
     if (swiglu) {
       if (o >= p.w[0].n_out) continue;
-      float g = Cs[r * ldc + c], u = Cs[r * ldc + c + bn / 2];
-      if (p.w[0].bias) g += p.w[0].bias[o];
-      if (p.w[1].bias) u += p.w[1].bias[o];
-      yr[o] = g / (1.f + __expf(-g)) * u;
+      store_swiglu(p, yr, o, Cs[r * ldc + c], Cs[r * ldc + c + bn / 2]);
     } else {
       const MmWeight& w = p.w[j];
       if (o >= w.n_out) continue;
-      float v = Cs[r * ldc + c];
-      if (w.bias) v += w.bias[o];
-      if (p.ep == Epilogue::Accumulate) yr[w.col + o] += v;
-      else yr[w.col + o] = v;
+      store_value(p.ep, w, yr, o, Cs[r * ldc + c]);
     }
   }
 }

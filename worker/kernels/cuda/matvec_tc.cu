@@ -628,17 +628,11 @@ __global__ void __launch_bounds__(kThreads, NT >= 4 ? 1 : 2) tc_kernel(const TcP
         const int mt = j / 8, jj = j % 8;
         const int64_t o = o0 + j;
         if (o >= p.w[0].n_out) continue;
-        float gv = total(16 * mt + jj), uv = total(16 * mt + 8 + jj);
-        if (p.w[0].bias) gv += p.w[0].bias[o];
-        if (p.w[1].bias) uv += p.w[1].bias[o];
-        yr[o] = gv / (1.f + __expf(-gv)) * uv;
+        store_swiglu(p, yr, o, total(16 * mt + jj), total(16 * mt + 8 + jj));
       } else {
         const int64_t o = o0 + j;
         if (o >= w0.n_out) continue;
-        float v = total(j);
-        if (w0.bias) v += w0.bias[o];
-        if (p.ep == Epilogue::Accumulate) yr[w0.col + o] += v;
-        else yr[w0.col + o] = v;
+        store_value(p.ep, w0, yr, o, total(j));
       }
     }
     // (red is written again only after the next tile's first barrier)
