@@ -143,8 +143,9 @@ bool f16_linear(const LinearArgs& a, gpuStream_t s) {
     if (a.w[j]->type != t) return false;
   const int64_t K = a.w[0]->n_in;
   const int64_t half = ceil_div(K / 2, 4) * 4;
-  const size_t row_bytes = (size_t)x_row_floats((int)std::min<int64_t>(half, 1 << 27)) * sizeof(float);
-  if (K % 8 != 0 || half >= (1 << 27) || !direct::tile_fits(row_bytes)) return false;
+  if (K % 8 != 0 || half >= (1 << 27)) return false;
+  const size_t row_bytes = (size_t)x_row_floats((int)half) * sizeof(float);
+  if (!direct::tile_fits(row_bytes)) return false;
   const auto fill = [half](F16Params& p) { p.half = (int32_t)half; };
   if (t == GgmlType::F16) direct::launch<F16Reader<GgmlType::F16>>(a, row_bytes, s, fill);
   else direct::launch<F16Reader<GgmlType::BF16>>(a, row_bytes, s, fill);
