@@ -316,11 +316,10 @@ def test_fused_norm_and_swiglu_are_batch_invariant(rng: np.random.Generator) -> 
         np.testing.assert_array_equal(batched.view(np.uint32), alone.view(np.uint32))
 
 
-# ---- every weight Q4_K / Q6_K or every weight Q8_0 (matvec_kq.cu: the digit reader with the
-# weights loaded straight into registers; rows must be 16-byte aligned there: K a multiple of
-# 2048 for Q6_K, of 256 for Q8_0) or
-# every weight F16 / BF16 (matvec_f16.cu): persistent CTAs taking blocks of 16 rows, tiles of
-# 1, 2 or 4 rows of x
+# ---- the direct readers (matvec_direct.cuh): every weight Q4_K / Q6_K or every weight Q8_0
+# (matvec_kq.cu, digits of x; rows must be 16-byte aligned: K a multiple of 2048 for Q6_K, of
+# 256 for Q8_0) or every weight F16 / BF16 (matvec_f16.cu); persistent CTAs taking blocks of
+# 16 rows, tiles of 1, 2 or 4 rows of x
 
 DIRECT_CASES = {
     "q4k-k256-many-blocks": ((T.Q4_K,) * 3, 256, (9001, 2250, 33)),
@@ -341,7 +340,7 @@ DIRECT_CASES = {
 def test_direct_store_accumulate_swiglu(case: str, rng: np.random.Generator) -> None:
     # Three weights side by side (more blocks of rows than persistent CTAs, a partial last
     # 2048-element step for Q4_K at K = 2304, 12288 = the 8B's down projection, Q4_K and Q6_K
-    # mixed: one launch per type), two biases; then Accumulate and SwiGLU with the fused norm.
+    # mixed in one launch), two biases; then Accumulate and SwiGLU with the fused norm.
     # Against float64, and every row bit-equal to the same row computed alone (n = 6 takes
     # tiles of 4 and 2, n = 1 tiles of 1).
     types, n_in, rows = DIRECT_CASES[case]
