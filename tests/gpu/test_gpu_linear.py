@@ -362,6 +362,53 @@ def test_direct_store_accumulate_swiglu(case: str, rng: np.random.Generator) -> 
                                   rows_alone(gate_up, [None, None], xs[4:], **kw).view(np.uint32))
 
 
+# ---- the digit reader on tensor cores (matvec_kq_mma.cu): 2..64 rows of x of the calls above
+# (NVIDIA sm_80+), the rows of the direct reader bit for bit (exact int8 MMA sums, the same float
+# order), with the weights read once per 8 or 16 rows of x; tiles of 32 weight rows where a
+# type has at least one per SM (the 5001 / 9001-row weights: Store, Accumulate and SwiGLU), else 16
+
+MMA_CASES = {
+    "q4k-k4096": ((T.Q4_K,) * 3, 4096, (130, 40, 33)),   # 16 rows of x: ~224 KiB of digits
+    "q4k-k256": ((T.Q4_K,) * 3, 256, (70, 9001, 9)),     # 4 chunks: quads 4..7 hold no class
+    "q4k-k2304": ((T.Q4_K,) * 3, 2304, (90, 31, 64)),    # 36 chunks: quads of 5 and 4
+    "q6k-k2048": ((T.Q6_K,) * 3, 2048, (17, 5001, 32)),
+    "q6k-k4096": ((T.Q6_K,) * 3, 4096, (64, 33, 5)),
+    "q4k-q6k-q4k-k4096": ((T.Q4_K, T.Q6_K, T.Q4_K), 4096, (130, 40, 33)),  # one launch per type
+    "q8_0-k1024": ((T.Q8_0,) * 3, 1024, (70, 5001, 5)),
+    "q8_0-k2304": ((T.Q8_0,) * 3, 2304, (40, 9, 3)),
+    "q6k-k12288": ((T.Q6_K,) * 3, 12288, (40, 300, 9)),  # x's digits too big for shared memory: read from L2
+}
+
+
+@pytest.mark.parametrize("case", list(MMA_CASES))
+def test_mma_rows_equal_direct_rows(case: str, rng: np.random.Generator) -> None:
+    # Store (three weights, two biases), Accumulate, and SwiGLU with the fused norm, for batches
+    # of 2, 7 (tiles of 8 rows of x), 9, 16, 33 (tiles of 16; 33: three tiles, rows past n) and
+    # 64: every row bit-equal to the same row computed alone (n = 1: the direct reader).
+    types, n_in, rows = MMA_CASES[case]
+    x = rng.standard_normal((64, n_in), dtype=np.float32)
+    ws = [(t, random_weight(rng, t, m, n_in), m, n_in) for t, m in zip(types, rows)]
+    biases = [rng.standard_normal(rows[0], dtype=np.float32), None, rng.standard_normal(rows[2], dtype=np.float32)]
+    alone = rows_alone(ws, biases, x)
+    check_store(alone[:3], x[:3], ws, biases, lambda x64, aw: small_bound(np.abs(x64), aw), case)
+    qtype, m = types[1], rows[1]
+    acc_w = [ws[1]]
+    y0 = rng.standard_normal((64, m), dtype=np.float32)
+    acc_alone = np.concatenate([gpu(acc_w, [None], x[r:r + 1], epilogue=1, y=y0[r:r + 1]) for r in range(64)])
+    gate_up = [ws[1], (qtype, random_weight(rng, qtype, m, n_in), m, n_in)]
+    norm_w = rng.uniform(0.5, 1.5, n_in).astype(np.float32)
+    kw = dict(norm_w=norm_w, eps=1e-6, epilogue=2)
+    xs = x / np.sqrt(n_in)
+    swiglu_alone = rows_alone(gate_up, [None, None], xs, **kw)
+    for lo, hi in ((5, 7), (0, 7), (20, 29), (3, 19), (31, 64), (0, 64)):
+        what = f"{case} rows {lo}..{hi - 1}"
+        np.testing.assert_array_equal(gpu(ws, biases, x[lo:hi]).view(np.uint32), alone[lo:hi].view(np.uint32), what)
+        np.testing.assert_array_equal(gpu(acc_w, [None], x[lo:hi], epilogue=1, y=y0[lo:hi]).view(np.uint32),
+                                      acc_alone[lo:hi].view(np.uint32), "accumulate " + what)
+        np.testing.assert_array_equal(gpu(gate_up, [None, None], xs[lo:hi], **kw).view(np.uint32),
+                                      swiglu_alone[lo:hi].view(np.uint32), "swiglu " + what)
+
+
 # ---- epilogues, biases, several weights, fused norm (both paths)
 
 def swiglu64(g: np.ndarray, u: np.ndarray) -> np.ndarray:

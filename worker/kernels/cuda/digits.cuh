@@ -49,5 +49,10 @@ __device__ __forceinline__ Digits4 digits4(const float (&v)[4]) {
   return r;
 }
 
+// S0 2^16 + (S1 2^8 + S2) as a float, from a run's exact sums S_t = sum q D_t (one or two
+// roundings; the second term fits int32). Every digit reader (dp4a or int8 MMA) ends a run here.
+__device__ __forceinline__ float digit_sum(int s0, int s1, int s2) { return fmaf((float)s0, 65536.f, (float)(s1 * 256 + s2)); }
+__device__ __forceinline__ float digit_sum(const int (&S)[3]) { return digit_sum(S[0], S[1], S[2]); }
+
 }  // namespace gpu
 }  // namespace specd

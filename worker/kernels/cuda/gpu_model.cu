@@ -266,10 +266,9 @@ class GpuModel final : public ForwardModel {
   }
 
   // The linear() workspace for n rows: the largest of the layers' products (x in fp16 and,
-  // for quantized weights, the weights decoded to fp16 for a large prefill; not the output
-  // head, which a prefill runs for one row).
+  // for quantized weights, the weights decoded to fp16 for a large prefill; for 2..64 rows,
+  // x in digits for the tensor-core digit reader; the output head's K is the layers' dim).
   size_t linear_work_bytes(int64_t n) const {
-    if (n <= gpu::kMaxSmallBatch) return 0;  // (decode and verify: no workspace)
     const ModelConfig& c = config();
     auto rows_of = [](std::initializer_list<const GpuWeight*> ws) {
       int64_t r = 0;

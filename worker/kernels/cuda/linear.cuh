@@ -15,9 +15,12 @@
 //    float32 MMA accumulation; a verify of 16 positions costs ~2 decode steps), else the
 //    CUDA cores (matvec.cu): Q8_0, Q4_K and Q6_K times x rounded per 32-element block to
 //    23-bit integer digits (dp4a, exact integer sums) when tensor_cores is false, float32
-//    FMAs otherwise and for the other types. A call whose weights are all Q4_K / Q6_K takes
-//    the same digits in matvec_kq.cu (weights loaded straight into registers, no staging);
-//    all F16 / all BF16 likewise in matvec_f16.cu (float32 fmas).
+//    FMAs otherwise and for the other types. A call whose weights are all Q4_K / Q6_K (or all
+//    Q8_0), 16-byte aligned, takes the same digits in matvec_kq.cu whatever tensor_cores says
+//    (weights loaded straight into registers, no staging), and from 5 rows of x on NVIDIA
+//    sm_80+ matvec_kq_mma.cu (int8 MMAs: the same exact sums, the same float order, the same
+//    bits; the weights read once per 16 rows of x); all F16 / all BF16 likewise in
+//    matvec_f16.cu (float32 fmas) when tensor_cores is false.
 //  * n > kMaxSmallBatch (prefill): a GEMM on tensor cores, fp16 x fp16 -> fp32 accumulate,
 //    with tiles of W decoded to fp16 in shared memory (F16 weights copied as stored). On
 //    NVIDIA sm_80+ x is first rounded to fp16 into LinearArgs::work, then copied in tiles
@@ -59,13 +62,14 @@ struct LinearArgs {
   // slower than on the CUDA cores for F16 (H200, 2026-11-30). Batch invariance holds within
   // one choice: a model makes it once.
   // SPECD_GPU_TC overrides it for benchmarks: "0" never, "f16" F16 always, "all" also Q8_0,
-  // Q4_K, Q6_K always. On the CUDA cores, false also selects the digit reader for Q8_0 / Q4_K /
-  // Q6_K (a decode step of the 8B Q4_K_M ~20 % faster; a verify of 16 was ~50 % slower with
-  // 16-row tiles, now tiles of 4: matvec.cu); SPECD_GPU_DIGITS=0 turns it off.
+  // Q4_K, Q6_K always. On the CUDA cores, false also selects the staged digit reader for Q8_0 /
+  // Q4_K / Q6_K weights that matvec_kq.cu does not take (it takes aligned all-K-quant or
+  // all-Q8_0 calls in every engine); SPECD_GPU_DIGITS=0 turns the digit readers off.
   bool tensor_cores = false;
-  // Workspace of the large path (n > kMaxSmallBatch): device memory of at least
-  // linear_work_bytes(n, K) bytes, 16-byte aligned, not used by anything else during the call
-  // (x in fp16; with linear_work_bytes(n, K, rows) also the weights in fp16). May be null when
+  // Workspace: device memory of at least linear_work_bytes(n, K) bytes, 16-byte aligned, not
+  // used by anything else during the call (n > kMaxSmallBatch: x in fp16, with
+  // linear_work_bytes(n, K, rows) also the weights in fp16; 2..64 rows: x in digits for the
+  // tensor-core digit reader, which the call skips without it). May be null when
   // linear_work_bytes is 0.
   void* work = nullptr;
   size_t work_bytes = 0;

@@ -462,8 +462,11 @@ void launch_gemm(const MmParams& p, int64_t ctas, const __half* xh, bool copy_w,
 
 }  // namespace
 
+size_t kq_mma_work_bytes(int64_t n, int64_t K);  // matvec_kq_mma.cu
+
 size_t linear_work_bytes(int64_t n, int64_t K, int64_t dequant_rows) {
-  if (n <= kMaxSmallBatch || !use_pipe()) return 0;
+  if (n <= kMaxSmallBatch) return kq_mma_work_bytes(n, K);
+  if (!use_pipe()) return 0;
   return sizeof(__half) * (size_t)((n + (n >= kDequantMinRows ? dequant_rows : 0)) * K);
 }
 

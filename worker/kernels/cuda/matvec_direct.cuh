@@ -148,10 +148,11 @@ void launch_tile(const typename R::Params& p, size_t smem, gpuStream_t s) {
 }
 
 // What every direct reader needs of a call: SPECD_GPU_DIRECT not "0", an engine that does not
-// speculate (tensor_cores false), n <= kMaxSmallBatch, 16-byte aligned data and rows.
-inline bool applies(const LinearArgs& a) {
+// speculate (tensor_cores false; any engine with any_engine), n <= kMaxSmallBatch, 16-byte
+// aligned data and rows.
+inline bool applies(const LinearArgs& a, bool any_engine = false) {
   static const bool on = env_value("SPECD_GPU_DIRECT") != "0";
-  if (!on || a.tensor_cores || a.n > kMaxSmallBatch) return false;
+  if (!on || (a.tensor_cores && !any_engine) || a.n > kMaxSmallBatch) return false;
   for (int j = 0; j < a.n_w; ++j)
     if ((uintptr_t)a.w[j]->data % 16 != 0 || a.w[j]->row_stride % 16 != 0) return false;
   return true;

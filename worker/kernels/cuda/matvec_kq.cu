@@ -1,7 +1,7 @@
 // specd/cuda/matvec_kq.cu: linear() for n <= kMaxSmallBatch rows of x when every weight is
-// Q4_K or Q6_K (or every weight Q8_0), in engines that do not speculate
-// (LinearArgs::tensor_cores false): the digit reader with the weights loaded straight into
-// registers.
+// Q4_K or Q6_K (or every weight Q8_0), in every engine (LinearArgs::tensor_cores is for F16):
+// the digit reader with the weights loaded straight into registers. From 5 rows of x on
+// (NVIDIA sm_80+) matvec_kq_mma.cu computes the same rows, bit for bit, on tensor cores.
 //
 // Why a kernel of its own: matvec.cu stages every weight byte through shared memory (cp.async
 // into a ring of stages, a group barrier per stage) so that one kernel reads every type at
@@ -41,6 +41,7 @@ namespace specd {
 namespace gpu {
 
 bool kq_linear(const LinearArgs& a, gpuStream_t s);
+bool kq_mma_linear(const LinearArgs& a, gpuStream_t s);  // matvec_kq_mma.cu
 
 namespace {
 
@@ -130,11 +131,6 @@ __device__ __forceinline__ void dot16(const uint32_t (&w)[4], const uint8_t* d, 
   S[0] = gpu_dot4<kWSigned, true>(w[3], p0.w, S[0]);
   S[1] = gpu_dot4<kWSigned, false>(w[3], p1.w, S[1]);
   S[2] = gpu_dot4<kWSigned, false>(w[3], p2.w, S[2]);
-}
-
-// S0 2^16 + (S1 2^8 + S2) as a float (one or two roundings; the second term fits int32).
-__device__ __forceinline__ float digit_sum(const int (&S)[3]) {
-  return fmaf((float)S[0], 65536.f, (float)(S[1] * 256 + S[2]));
 }
 
 template <GgmlType T>
@@ -415,13 +411,13 @@ struct KqReader {
 
 }  // namespace
 
-// Takes the call when the digit reader applies (tensor_cores false, SPECD_GPU_DIGITS and
-// SPECD_GPU_DIRECT not "0"), every weight is Q4_K or Q6_K (one type for SwiGLU), or every
+// Takes the call when the digit reader applies (SPECD_GPU_DIGITS and SPECD_GPU_DIRECT not
+// "0"), every weight is Q4_K or Q6_K (one type for SwiGLU), or every
 // weight Q8_0, with 16-byte aligned rows, n <= 64 and the digits of the largest tile fit the
 // device's shared memory (never a choice by n: batch invariance); returns whether it did.
 bool kq_linear(const LinearArgs& a, gpuStream_t s) {
   static const bool digits = env_value("SPECD_GPU_DIGITS") != "0";
-  if (!digits || !direct::applies(a)) return false;
+  if (!digits || !direct::applies(a, /*any_engine=*/true)) return false;
   bool q4 = false, q6 = false, q8 = false;
   for (int j = 0; j < a.n_w; ++j) {
     const GgmlType t = a.w[j]->type;
@@ -433,6 +429,7 @@ bool kq_linear(const LinearArgs& a, gpuStream_t s) {
   if (q8 && (q4 || q6)) return false;
   if (a.w[0]->n_in % 64 != 0) return false;  // (whole chunks: Q8_0 rows of 32 x odd blocks)
   if (a.ep == Epilogue::SwiGLU && a.w[0]->type != a.w[1]->type) return false;
+  if (kq_mma_linear(a, s)) return true;  // 2..64 rows on tensor cores, the same bits (matvec_kq_mma.cu)
   const int64_t plane = ceil_div(a.w[0]->n_in, kSpan) * kSpan;
   if (plane >= (1 << 28)) return false;
   const size_t row_bytes = digit_row_bytes((int)plane);

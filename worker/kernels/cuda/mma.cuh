@@ -45,6 +45,38 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
                : "r"(a));
 }
 
+// Exact integer products of 8-bit operands (s32 sums, from c): d = c + A (16 x 32: a0 rows g,
+// slots 4c..4c+3; a1 rows g + 8, the same slots; a2, a3 the same at slots 16 + 4c..) * B
+// (32 x 8: b0 slots 4c.., b1 16 + 4c.., column g); d0, d1 = row g, columns 2c, 2c + 1; d2, d3 =
+// row g + 8. kAS / kBS: signed (s8) or unsigned (u8) operands.
+template <bool kAS, bool kBS>
+__device__ __forceinline__ void mma_i8_k32(int (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1, int c = 0) {
+#define SPECD_MMA_K32(AT, BT)                                                                          \
+  asm volatile("mma.sync.aligned.m16n8k32.row.col.s32." AT "." BT ".s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, " \
+               "{%8,%9}, {%10,%10,%10,%10};\n"                                                       \
+               : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])                                        \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(c))
+  if constexpr (kAS && kBS) SPECD_MMA_K32("s8", "s8");
+  else if constexpr (kAS) SPECD_MMA_K32("s8", "u8");
+  else if constexpr (kBS) SPECD_MMA_K32("u8", "s8");
+  else SPECD_MMA_K32("u8", "u8");
+#undef SPECD_MMA_K32
+}
+// The same for 16 slots: A 16 x 16 (a0 row g, slots 4c..4c+3; a1 row g + 8), B 16 x 8 (b0).
+template <bool kAS, bool kBS>
+__device__ __forceinline__ void mma_i8_k16(int (&d)[4], uint32_t a0, uint32_t a1, uint32_t b0, int c = 0) {
+#define SPECD_MMA_K16(AT, BT)                                                                                 \
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.s32." AT "." BT ".s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, "       \
+               "{%7,%7,%7,%7};\n"                                                                            \
+               : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])                                               \
+               : "r"(a0), "r"(a1), "r"(b0), "r"(c))
+  if constexpr (kAS && kBS) SPECD_MMA_K16("s8", "s8");
+  else if constexpr (kAS) SPECD_MMA_K16("s8", "u8");
+  else if constexpr (kBS) SPECD_MMA_K16("u8", "s8");
+  else SPECD_MMA_K16("u8", "u8");
+#undef SPECD_MMA_K16
+}
+
 __device__ __forceinline__ uint32_t h2_bits(__half2 v) { return *reinterpret_cast<uint32_t*>(&v); }
 
 // 16 bytes global -> shared, asynchronously (L2 only), of which the first `bytes` (0..16) are

@@ -1,0 +1,643 @@
+// specd/cuda/matvec_kq_mma.cu: the digit reader of matvec_kq.cu for 2..64 rows of x on TENSOR
+// CORES (NVIDIA sm_80+): the same rows, bit for bit, with the weights read once for 8 or 16
+// rows of x instead of once per 4.
+//
+// Why it can be bit-identical: matvec_kq.cu's sums are exact integers until a run ends (x in
+// 23-bit digits per 32-element block, three byte planes D_t; S_t = sum q D_t), and int8 MMAs
+// (m16n8k32 / m16n8k16, s32 accumulation) give the same S_t exactly. What follows is float,
+// and this file performs the same float operations in the same order per output:
+//   * a run's term: acc = fma(digit_sum(S) * grid step, scale, acc) (+ Q4_K's minimum
+//     acc = fma(m, sum of x, acc)), the runs of a chunk (64 weights) in the reader's order;
+//   * class l = chunk c mod 32 (the lane of matvec_kq.cu that sums chunk c) adds its chunks in
+//     ascending c: here warp w (quad w < 8) takes the chunks c = w + 8 j in ascending order and
+//     keeps the four classes w + 8 q (q = j mod 4) apart;
+//   * the group's butterfly (group_sum: lanes xor 16, 8, 4, 2, 1) is a fixed tree over the 32
+//     classes: quad w's value is (A0 + A2) + (A1 + A3) (A_q = class w + 8 q), then the quads
+//     meet as ((Q0 + Q4) + (Q2 + Q6)) + ((Q1 + Q5) + (Q3 + Q7)) (a + b == b + a exactly);
+//   * times the fused norm's factor inv_r (the same per-thread unit order and block_sum), then
+//     the same epilogue (store_value / store_swiglu).
+//
+// Work: a tile = 32 weight rows (two m-tiles of 16; SwiGLU: 16 gate rows over the same 16 up
+// rows) times NX = 8 NT rows of x (n-tiles of 8); the 8 warps of a persistent CTA take the
+// tile's 8 quads, each loading its chunks' bytes straight from global memory one chunk ahead
+// (the stream runs on into the CTA's next tile), and meet in shared memory at the tile's end.
+// x is prepared once per CTA: digits of all of K for the NX rows (3 bytes per element, plus a
+// grid step and a sum per 32-element block: NX (3.25 K + 1024) bytes with the partial sums),
+// so the largest K is ~4096 for 16 rows on a 227 KiB device (else 8 rows, else the direct
+// reader's tiles of 4).
+//
+// Lane (g = lane / 4, t = lane % 4) of a warp: weight rows g, g + 8 of each m-tile, x rows
+// 2t, 2t + 1 of each n-tile (the D fragment). The MMA's k-slots are a permutation of a run's
+// elements shared by A and B: for a 32-element run, slots 4t.. = elements 8t .. 8t + 3 and
+// slots 16 + 4t.. = 8t + 4 .. 8t + 7 (Q4_K: qs bytes 8t .. 8t + 7 of the chunk's 32, low
+// nibbles one run and high nibbles the next; Q8_0: qs bytes 8t .. 8t + 7 of a block); for a
+// 16-element Q6_K run (m16n8k16), slots 4t.. = elements 4t .. 4t + 3.
+#include <algorithm>
+#include <mutex>
+
+#include "cuda/digits.cuh"
+#include "cuda/linear.cuh"
+#include "cuda/linear_params.cuh"
+#include "cuda/mma.cuh"
+#include "cuda/quants.cuh"
+
+namespace specd {
+namespace gpu {
+
+bool kq_mma_linear(const LinearArgs& a, gpuStream_t s);
+size_t kq_mma_work_bytes(int64_t n, int64_t K);
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / kGroup;  // = the 8 quads of a tile
+constexpr size_t kStaticSmem = 1024;       // room left for the kernel's static shared memory
+
+struct MmaParams : LinParams {
+  int32_t n_tiles = 0;  // tiles of 16 MT weight rows (SwiGLU: 8 MT gate + 8 MT up rows)
+  int32_t nc = 0;       // chunks (64 elements) per row
+  // LinearArgs::work: per tile of NX rows of x its shared-memory image (digits and meta, see
+  // mma_smem), img_bytes each, written by digits_kernel; then inv_r of every row
+  uint8_t* img = nullptr;
+  float* inv = nullptr;
+  int64_t img_bytes = 0;
+};
+
+// Shared memory for NX rows of x: the digit planes (plane t of segment s (16 elements) of row
+// r: 16 bytes at t * K NX + (s NX + r) 16), then per 32-element block b and row r a float2 {grid
+// step, grid step * sum of the digits} at (b NX + r), then the tile's partial sums
+// [8 quads][16 MT weight rows][NX].
+__host__ __device__ constexpr size_t image_bytes(int64_t K, int NX) { return (size_t)NX * (size_t)(3 * K + K / 4); }
+__host__ __device__ constexpr size_t mma_smem(int64_t K, int NX, int MT) {
+  return image_bytes(K, NX) + (size_t)NX * (size_t)(4 * kWarps * 16 * MT);
+}
+
+// The tile's weight and first output: Store / Accumulate rows o_first + i of weight j0
+// (i < 16 MT); SwiGLU gate and up rows o_first + i (i < 8 MT).
+template <int MT>
+__device__ __forceinline__ void tile_of(const MmaParams& p, int tile, int& j0, int64_t& o_first) {
+  j0 = 0;
+  if (p.ep == Epilogue::SwiGLU) {
+    o_first = (int64_t)tile * 8 * MT;
+    return;
+  }
+  if (p.n_w > 1 && tile >= p.w[1].cta0) j0 = 1;
+  if (p.n_w > 2 && tile >= p.w[2].cta0) j0 = 2;
+  o_first = (int64_t)(tile - p.w[j0].cta0) * 16 * MT;
+}
+
+// Tile row i = 16 mt + g + 8 h (lane g's rows of m-tile mt): Store / Accumulate output
+// o_first + i of weight j0; SwiGLU gate row o_first + i for i < 8 MT, else up row i - 8 MT.
+template <int MT>
+__device__ __forceinline__ const uint8_t* tile_row(const MmaParams& p, int j0, int64_t o_first, int i) {
+  const bool swiglu = p.ep == Epilogue::SwiGLU;
+  const bool up = swiglu && i >= 8 * MT;
+  const LinWeight& w = p.w[swiglu ? (up ? 1 : 0) : j0];
+  const int64_t o = min(o_first + (up ? i - 8 * MT : i), w.n_out - 1);  // (clamped: results dropped)
+  return w.data + (size_t)o * w.stride;
+}
+
+// The lane's weight rows of a tile: [m-tile][g, g + 8].
+template <int MT>
+__device__ __forceinline__ void lane_rows(const MmaParams& p, int tile, int g, const uint8_t* (&rows)[MT][2]) {
+  int j0;
+  int64_t o_first;
+  tile_of<MT>(p, tile, j0, o_first);
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) rows[mt][h] = tile_row<MT>(p, j0, o_first, 16 * mt + g + 8 * h);
+}
+
+// Plane `plane` of row r's segment s in shared memory (see mma_smem): row r sits in slot
+// r ^ (s % 8) of its segment, so that the 8 segments a group of 32 threads writes (consecutive
+// elements of one row) fall in different banks, as do the 8 rows a warp reads of one segment.
+template <int NX>
+__device__ __forceinline__ uint8_t* seg_ptr(uint8_t* dig, int64_t K, int plane, int s, int r) {
+  return dig + (size_t)plane * (size_t)(K * NX) + (size_t)(s * NX + (r ^ (s & 7))) * 16;
+}
+template <int NX>
+__device__ __forceinline__ const uint8_t* seg_at(const uint8_t* dig, int64_t K, int plane, int s, int r) {
+  return seg_ptr<NX>(const_cast<uint8_t*>(dig), K, plane, s, r);
+}
+
+#if SPECD_MMA
+// 4 bytes at a 2-byte aligned address p: the aligned words below and above, shifted
+__device__ __forceinline__ void ld_a2(const uint8_t* p, uint32_t& w0, uint32_t& w1) {
+  const uint32_t* a = reinterpret_cast<const uint32_t*>((uintptr_t)p & ~(uintptr_t)3);
+  w0 = __ldg(a);
+  w1 = __ldg(a + 1);
+}
+
+// x's digits and meta: from shared memory, or (G) from the call's image in global memory
+template <bool G, class V>
+__device__ __forceinline__ V ldx(const void* p) {
+  if constexpr (G) return __ldg(reinterpret_cast<const V*>(p));
+  else return *reinterpret_cast<const V*>(p);
+}
+
+template <GgmlType T, int MT>
+struct Mq;
+
+// Q4_K chunk c (matvec_kq.cu): block c / 4's header and its qs bytes 32 (c % 4) ..: the lane
+// reads qs bytes 8t .. 8t + 7 (low nibbles: elements 8t.. of sub-block 2 (c % 4), high: of the
+// next) and the 16-byte header of each of its rows.
+template <int MT>
+struct Mq<GgmlType::Q4_K, MT> {
+  struct Chunk {
+    uint2 q[MT][2];
+    uint4 h[MT][2];
+  };
+  __device__ static void load(const uint8_t* const (&rows)[MT][2], int c, int t, Chunk& ch) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint8_t* blk = rows[mt][h] + 144 * (c >> 2);
+        ch.h[mt][h] = __ldg(reinterpret_cast<const uint4*>(blk));
+        ch.q[mt][h] = __ldg(reinterpret_cast<const uint2*>(blk + 16 + 32 * (c & 3) + 8 * t));
+      }
+  }
+  template <int NT, bool G>
+  __device__ static void step(const Chunk& ch, int c, const uint8_t* dig, const float* meta, int64_t K, int g, int t,
+                              float (&acc)[MT][NT][4]) {
+    constexpr int NX = 8 * NT;
+    const int gi = c & 3;
+    const uint32_t sh = 16 * (gi & 1);
+    float s[MT][2][2], m[MT][2][2];  // [m-tile][row g, g + 8][run]
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint4 hd = ch.h[mt][h];
+        uint32_t sc, mn;
+        kquant_pair_of(hd.y >> sh, hd.z >> sh, hd.w >> sh, gi, sc, mn);
+        kquant_sm(hd.x, sc, mn, s[mt][h], m[mt][h]);
+        s[mt][h][1] *= 0.0625f;  // (high nibbles read as 16 q)
+      }
+#pragma unroll
+    for (int run = 0; run < 2; ++run) {  // sub-blocks 2c (low nibbles), 2c + 1 (high)
+      const uint32_t mask = run ? 0xF0F0F0F0u : 0x0F0F0F0Fu;
+      uint32_t a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        a[mt][0] = ch.q[mt][0].x & mask;
+        a[mt][1] = ch.q[mt][1].x & mask;
+        a[mt][2] = ch.q[mt][0].y & mask;
+        a[mt][3] = ch.q[mt][1].y & mask;
+      }
+      const int seg = 4 * c + 2 * run + (t >> 1), blk = 2 * c + run;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        uint2 b[3];
+#pragma unroll
+        for (int pl = 0; pl < 3; ++pl)
+          b[pl] = ldx<G, uint2>(seg_at<NX>(dig, K, pl, seg, 8 * nt + g) + 8 * (t & 1));
+        const float4 mx = ldx<G, float4>(meta + 2 * (blk * NX + 8 * nt + 2 * t));
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          int D0[4], D1[4], D2[4];
+          mma_i8_k32<false, true>(D0, a[mt], b[0].x, b[0].y);
+          mma_i8_k32<false, false>(D1, a[mt], b[1].x, b[1].y);
+          mma_i8_k32<false, false>(D2, a[mt], b[2].x, b[2].y);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float xs = (e & 1) ? mx.z : mx.x, xsum = (e & 1) ? mx.w : mx.y;
+            float& r = acc[mt][nt][e];
+            r = fmaf(digit_sum(D0[e], D1[e], D2[e]) * xs, s[mt][e >> 1][run], r);
+            r = fmaf(m[mt][e >> 1][run], xsum, r);
+          }
+        }
+      }
+    }
+  }
+};
+
+// Q6_K chunk c = quarter (h, m) = ((c % 4) / 2, c % 2) of block b = c / 4 (matvec_kq.cu): runs
+// k < 4 of 16 elements 256 b + 128 h + 32 k + 16 m + j; the lane reads bytes 4t .. 4t + 3 of the
+// chunk's ql / ql / qh fields (2-byte aligned: the words around them), the 8 scale bytes of
+// the half (3 words) and d.
+template <int MT>
+struct Mq<GgmlType::Q6_K, MT> {
+  struct Chunk {
+    uint32_t f[MT][2][3][2];  // [m-tile][row][field][word]
+    uint32_t sc[MT][2][3];
+    uint32_t d[MT][2];
+  };
+  __device__ static void load(const uint8_t* const (&rows)[MT][2], int c, int t, Chunk& ch) {
+    const int h = (c >> 1) & 1, m = c & 1;
+    const int off[3] = {64 * h + 16 * m, 64 * h + 32 + 16 * m, 128 + 32 * h + 16 * m};
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const uint8_t* blk = rows[mt][r] + 210 * (c >> 2);
+#pragma unroll
+        for (int f = 0; f < 3; ++f) ld_a2(blk + off[f] + 4 * t, ch.f[mt][r][f][0], ch.f[mt][r][f][1]);
+        const uint32_t* a = reinterpret_cast<const uint32_t*>((uintptr_t)(blk + 192 + 8 * h) & ~(uintptr_t)3);
+#pragma unroll
+        for (int k = 0; k < 3; ++k) ch.sc[mt][r][k] = __ldg(a + k);
+        ch.d[mt][r] = __ldg(reinterpret_cast<const unsigned short*>(blk + 208));
+      }
+  }
+  template <int NT, bool G>
+  __device__ static void step(const Chunk& ch, int c, const uint8_t* dig, const float* meta, int64_t K, int g, int t,
+                              float (&acc)[MT][NT][4]) {
+    constexpr int NX = 8 * NT;
+    const int b = c >> 2, h = (c >> 1) & 1, m = c & 1;
+    const uint32_t sh = 16 * (b & 1);  // block b starts 2b mod 4 bytes past a word
+    uint32_t ql[MT][2][2], qh[MT][2];  // [m-tile][row]([field])
+    float s[MT][2][4];                 // [m-tile][row][run]: d sc_k / 4
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        ql[mt][r][0] = __funnelshift_r(ch.f[mt][r][0][0], ch.f[mt][r][0][1], sh);
+        ql[mt][r][1] = __funnelshift_r(ch.f[mt][r][1][0], ch.f[mt][r][1][1], sh);
+        qh[mt][r] = __funnelshift_r(ch.f[mt][r][2][0], ch.f[mt][r][2][1], sh);
+        const uint32_t s01 = __funnelshift_r(ch.sc[mt][r][0], ch.sc[mt][r][1], sh);
+        const uint32_t s23 = __funnelshift_r(ch.sc[mt][r][1], ch.sc[mt][r][2], sh);
+        const float d = f16_bits(ch.d[mt][r]) * 0.25f;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const uint32_t word = k < 2 ? s01 : s23;
+          s[mt][r][k] = d * (float)(int8_t)(word >> (8 * (m + 2 * (k & 1))));
+        }
+      }
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      uint32_t a[MT][2];  // 4 (q - 32) as int8: [m-tile][row]
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const uint32_t lo = (k < 2 ? ql[mt][r][k & 1] << 2 : ql[mt][r][k & 1] >> 2) & 0x3C3C3C3Cu;
+          a[mt][r] = (lo | ((qh[mt][r] << (6 - 2 * k)) & 0xC0C0C0C0u)) ^ 0x80808080u;
+        }
+      const int seg = 16 * b + 8 * h + 2 * k + m, blk = 8 * b + 4 * h + k;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        uint32_t bw[3];
+#pragma unroll
+        for (int pl = 0; pl < 3; ++pl)
+          bw[pl] = ldx<G, uint32_t>(seg_at<NX>(dig, K, pl, seg, 8 * nt + g) + 4 * t);
+        const float4 mx = ldx<G, float4>(meta + 2 * (blk * NX + 8 * nt + 2 * t));
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          int D0[4], D1[4], D2[4];
+          mma_i8_k16<true, true>(D0, a[mt][0], a[mt][1], bw[0]);
+          mma_i8_k16<true, false>(D1, a[mt][0], a[mt][1], bw[1]);
+          mma_i8_k16<true, false>(D2, a[mt][0], a[mt][1], bw[2]);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float xs = (e & 1) ? mx.z : mx.x;
+            float& r = acc[mt][nt][e];
+            r = fmaf(digit_sum(D0[e], D1[e], D2[e]) * xs, s[mt][e >> 1][k], r);
+          }
+        }
+      }
+    }
+  }
+};
+
+// Q8_0 chunk c = blocks 2c, 2c + 1 (68 bytes from 68c, 4-byte aligned): the lane reads qs
+// bytes 8t .. 8t + 7 of each block (block 2c's 2 bytes past a word: three words, shifted) and
+// the words holding the two scales.
+template <int MT>
+struct Mq<GgmlType::Q8_0, MT> {
+  struct Chunk {
+    uint32_t w[MT][2][7];  // block 2c: 3 words; block 2c + 1: 2 words; the words of d0, d1
+  };
+  __device__ static void load(const uint8_t* const (&rows)[MT][2], int c, int t, Chunk& ch) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const uint32_t* a = reinterpret_cast<const uint32_t*>(rows[mt][r] + 68 * c);
+        uint32_t* w = ch.w[mt][r];
+        w[0] = __ldg(a + 2 * t);
+        w[1] = __ldg(a + 2 * t + 1);
+        w[2] = __ldg(a + 2 * t + 2);
+        w[3] = __ldg(a + 9 + 2 * t);
+        w[4] = __ldg(a + 10 + 2 * t);
+        w[5] = __ldg(a);
+        w[6] = __ldg(a + 8);
+      }
+  }
+  template <int NT, bool G>
+  __device__ static void step(const Chunk& ch, int c, const uint8_t* dig, const float* meta, int64_t K, int g, int t,
+                              float (&acc)[MT][NT][4]) {
+    constexpr int NX = 8 * NT;
+#pragma unroll
+    for (int run = 0; run < 2; ++run) {  // blocks 2c, 2c + 1
+      uint32_t a[MT][4];
+      float d[MT][2];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        uint32_t q[2][2];  // [row][word]
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const uint32_t* w = ch.w[mt][r];
+          q[r][0] = run ? w[3] : __funnelshift_r(w[0], w[1], 16);
+          q[r][1] = run ? w[4] : __funnelshift_r(w[1], w[2], 16);
+          d[mt][r] = run ? f16_bits(w[6] >> 16) : f16_bits(w[5] & 0xFFFF);
+        }
+        a[mt][0] = q[0][0];
+        a[mt][1] = q[1][0];
+        a[mt][2] = q[0][1];
+        a[mt][3] = q[1][1];
+      }
+      const int seg = 4 * c + 2 * run + (t >> 1), blk = 2 * c + run;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        uint2 b[3];
+#pragma unroll
+        for (int pl = 0; pl < 3; ++pl)
+          b[pl] = ldx<G, uint2>(seg_at<NX>(dig, K, pl, seg, 8 * nt + g) + 8 * (t & 1));
+        const float4 mx = ldx<G, float4>(meta + 2 * (blk * NX + 8 * nt + 2 * t));
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          int D0[4], D1[4], D2[4];
+          mma_i8_k32<true, true>(D0, a[mt], b[0].x, b[0].y);
+          mma_i8_k32<true, false>(D1, a[mt], b[1].x, b[1].y);
+          mma_i8_k32<true, false>(D2, a[mt], b[2].x, b[2].y);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float xs = (e & 1) ? mx.z : mx.x;
+            float& r = acc[mt][nt][e];
+            r = fmaf(digit_sum(D0[e], D1[e], D2[e]) * xs, d[mt][e >> 1], r);
+          }
+        }
+      }
+    }
+  }
+};
+
+#endif  // SPECD_MMA
+
+// Row blockIdx.x of x (times the norm weight) in digits, into its tile's image (row r % NX of
+// tile r / NX), as matvec_kq.cu's prep_digits computes them (cuda/digits.cuh: thread t takes
+// the units of 4 elements t, t + 256, ..., 8 consecutive threads a 32-element block); inv_r
+// from the row's sum of squares in the same per-thread unit order and block_sum, so every
+// value is the float the direct reader uses. Once per call, shared by its launches.
+template <int NX>
+__global__ void __launch_bounds__(kThreads) digits_kernel(const MmaParams p) {
+  __shared__ float red[kGroup];
+  gpu_grid_wait();
+  gpu_grid_launch_dependents();
+  constexpr int C = 4;  // units in flight
+  const int64_t K = p.K;
+  const int units = (int)(K / 4), r = (int)blockIdx.x % NX;
+  uint8_t* img = p.img + (size_t)(blockIdx.x / NX) * (size_t)p.img_bytes;
+  float* meta = reinterpret_cast<float*>(img + 3 * (size_t)(K * NX));
+  const float4* x = reinterpret_cast<const float4*>(p.x + (int64_t)blockIdx.x * K);
+  float ss = 0.f;
+  for (int i0 = 0; i0 * kThreads < units; i0 += C) {  // (uniform trip count: whole groups shuffle)
+    float4 a[C], n[C];
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      const int u = (i0 + c) * kThreads + (int)threadIdx.x;
+      n[c] = make_float4(1.f, 1.f, 1.f, 1.f);
+      if (u < units && p.norm_w != nullptr) n[c] = __ldg(reinterpret_cast<const float4*>(p.norm_w) + u);
+      a[c] = u < units ? __ldg(x + u) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      const int u = (i0 + c) * kThreads + (int)threadIdx.x;
+      if (p.norm_w != nullptr && u < units) ss = add_squares(a[c], ss);
+      const float v[4] = {a[c].x * n[c].x, a[c].y * n[c].y, a[c].z * n[c].z, a[c].w * n[c].w};
+      const Digits4 d = digits4(v);
+      int sum = d.sum;  // over the 32-element block: |sum| <= 2^27, exact
+      sum += gpu_shfl_xor(sum, 1);
+      sum += gpu_shfl_xor(sum, 2);
+      sum += gpu_shfl_xor(sum, 4);
+      if (u < units) {
+        uint8_t* at = seg_ptr<NX>(img, K, 0, u >> 2, r) + 4 * (u & 3);
+        *reinterpret_cast<uint32_t*>(at) = d.d0;
+        *reinterpret_cast<uint32_t*>(at + (size_t)(K * NX)) = d.d1;
+        *reinterpret_cast<uint32_t*>(at + 2 * (size_t)(K * NX)) = d.d2;
+        if ((u & 7) == 0) *reinterpret_cast<float2*>(meta + 2 * ((u >> 3) * NX + r)) = make_float2(d.xsb, (float)sum * d.xsb);
+      }
+    }
+  }
+  if (p.norm_w != nullptr) {
+    const float tot = block_sum(ss, red);
+    if (threadIdx.x == 0) p.inv[blockIdx.x] = rsqrtf(tot / (float)K + p.eps);
+  } else if (threadIdx.x == 0) {
+    p.inv[blockIdx.x] = 1.f;
+  }
+}
+
+// G: x's image stays in global memory (read through the L1 cache; for K whose image does not
+// fit shared memory), else it is copied into shared memory first.
+template <GgmlType T, int NT, int MT, bool G>
+__global__ void __launch_bounds__(kThreads, 1) kq_mma_kernel(const MmaParams p) {
+#if SPECD_MMA
+  using R = Mq<T, MT>;
+  constexpr int NX = 8 * NT, TR = 16 * MT;  // rows of x, weight rows of a tile
+  extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ float inv[NX];
+  const int lane = threadIdx.x % kGroup, warp = threadIdx.x / kGroup, g = lane >> 2, t = lane & 3;
+  const int64_t K = p.K, row0 = (int64_t)blockIdx.y * NX;
+  const uint8_t* img = p.img + (size_t)blockIdx.y * (size_t)p.img_bytes;  // this tile of x's image
+  const uint8_t* dig = G ? img : smem;
+  const float* meta = reinterpret_cast<const float*>(dig + 3 * (size_t)(K * NX));
+  float* part = reinterpret_cast<float*>(smem + (G ? 0 : p.img_bytes));  // [quad][TR weight rows][NX]
+  const int nc = p.nc, n_tiles = p.n_tiles, grid = (int)gridDim.x;
+  const int nj = warp < nc ? (nc - warp + kWarps - 1) / kWarps : 0;  // this quad's chunks per tile
+
+  // the load stream: chunk c = warp + 8 l_j of tile l_tile
+  int l_tile = blockIdx.x, l_j = 0;
+  const uint8_t* lrows[MT][2];
+  if (l_tile < n_tiles) lane_rows<MT>(p, l_tile, g, lrows);
+  auto fetch = [&](typename R::Chunk& dst) {
+    if (l_tile >= n_tiles || nj == 0) return;
+    R::load(lrows, warp + kWarps * l_j, t, dst);
+    if (++l_j == nj) {
+      l_j = 0;
+      l_tile += grid;
+      if (l_tile < n_tiles) lane_rows<MT>(p, l_tile, g, lrows);
+    }
+  };
+  typename R::Chunk cur, nxt;
+  fetch(cur);
+
+  gpu_grid_wait();
+  gpu_grid_launch_dependents();
+  if (!G) {  // the tile's image of x (digits_kernel) into shared memory
+    for (int64_t off = 16 * (int64_t)threadIdx.x; off < p.img_bytes; off += 16 * kThreads) cp_async16_all(smem + off, img + off);
+    cp_async_commit();
+  }
+  if (threadIdx.x < NX) inv[threadIdx.x] = p.inv[min(row0 + (int64_t)threadIdx.x, p.n - 1)];
+  if (!G) cp_async_wait<0>();
+  __syncthreads();  // digits, meta and inv[] are visible
+
+  for (int tile = blockIdx.x; tile < n_tiles; tile += grid) {
+    float acc[4][MT][NT][4];  // [class q: chunk c = warp + 8 j, j % 4 = q][m-tile][n-tile][D element]
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[q][mt][nt][e] = 0.f;
+    for (int j0 = 0; j0 < nj; j0 += 4) {
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        if (j0 + q < nj) {  // (uniform over the warp)
+          fetch(nxt);
+          R::template step<NT, G>(cur, warp + kWarps * (j0 + q), dig, meta, K, g, t, acc[q]);
+          cur = nxt;
+        }
+      }
+    }
+    // the quad's value (group_sum's levels xor 16 and 8 over its classes) into shared memory
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float v[2];
+#pragma unroll
+          for (int e2 = 0; e2 < 2; ++e2) {
+            const int e = 2 * h + e2;
+            v[e2] = (acc[0][mt][nt][e] + acc[2][mt][nt][e]) + (acc[1][mt][nt][e] + acc[3][mt][nt][e]);
+          }
+          const int wr = 16 * mt + g + 8 * h;
+          *reinterpret_cast<float2*>(part + (warp * TR + wr) * NX + 8 * nt + 2 * t) = make_float2(v[0], v[1]);
+        }
+    __syncthreads();
+    int j0;
+    int64_t o_first;
+    tile_of<MT>(p, tile, j0, o_first);
+    auto total = [&](int wr, int xr) {  // the remaining levels (xor 4, 2, 1) over the 8 quads
+      float q[kWarps];
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) q[w] = part[(w * TR + wr) * NX + xr];
+      return (((q[0] + q[4]) + (q[2] + q[6])) + ((q[1] + q[5]) + (q[3] + q[7]))) * inv[xr];
+    };
+    if (p.ep == Epilogue::SwiGLU) {
+      for (int o = threadIdx.x; o < (TR / 2) * NX; o += kThreads) {
+        const int wr = o / NX, xr = o % NX;
+        const int64_t out = o_first + wr;
+        if (row0 + xr >= p.n || out >= p.w[0].n_out) continue;
+        store_swiglu(p, p.y + (row0 + xr) * p.ldy, out, total(wr, xr), total(wr + TR / 2, xr));
+      }
+    } else {
+      const LinWeight& w = p.w[j0];
+      for (int o = threadIdx.x; o < TR * NX; o += kThreads) {
+        const int wr = o / NX, xr = o % NX;
+        const int64_t out = o_first + wr;
+        if (row0 + xr >= p.n || out >= w.n_out) continue;
+        store_value(p.ep, w, p.y + (row0 + xr) * p.ldy, out, total(wr, xr));
+      }
+    }
+    __syncthreads();  // part[] is free for the next tile
+  }
+#endif
+}
+
+template <GgmlType T, int NT, int MT, bool G>
+void launch_nt(const MmaParams& p, size_t smem, gpuStream_t s) {
+  static std::once_flag once;  // allow the device's largest shared memory once per kernel
+  std::call_once(once, [] {
+    SPECD_GPU_CHECK(gpuFuncSetAttribute((kq_mma_kernel<T, NT, MT, G>), gpuFuncAttributeMaxDynamicSharedMemorySize,
+                                        (int)(dev_limits().smem_per_block - kStaticSmem)));
+  });
+  int per_sm = 0;  // persistent CTAs: as many as fit at once
+  SPECD_GPU_CHECK(gpuOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, (kq_mma_kernel<T, NT, MT, G>), kThreads, smem));
+  const int64_t ctas = std::min<int64_t>(p.n_tiles, (int64_t)std::max(per_sm, 1) * dev_limits().sms);
+  const dim3 grid((unsigned)ctas, (unsigned)ceil_div(p.n, (int64_t)(8 * NT)));
+  gpu_launch("kq_mma_kernel", kq_mma_kernel<T, NT, MT, G>, grid, dim3(kThreads), smem, s, p);
+}
+
+template <GgmlType T, int NT, bool G>
+void launch_mt(const MmaParams& p, int mt, size_t smem, gpuStream_t s) {
+  if (mt == 1) launch_nt<T, NT, 1, G>(p, smem, s);
+  else launch_nt<T, NT, 2, G>(p, smem, s);
+}
+
+template <GgmlType T>
+void launch_type(const MmaParams& p, int nt, int mt, bool global, size_t smem, gpuStream_t s) {
+  if (global) nt == 1 ? launch_mt<T, 1, true>(p, mt, smem, s) : launch_mt<T, 2, true>(p, mt, smem, s);
+  else nt == 1 ? launch_mt<T, 1, false>(p, mt, smem, s) : launch_mt<T, 2, false>(p, mt, smem, s);
+}
+
+// The call's weights of `type` (each keeping its output columns) in tiles of 16 mt rows; the
+// number of tiles (0: none of that type).
+int64_t type_params(const MmaParams& base, const LinearArgs& a, GgmlType type, int mt, MmaParams& p) {
+  p = base;
+  p.n_w = 0;
+  int64_t tiles = 0;
+  for (int j = 0; j < a.n_w; ++j) {
+    if (base.w[j].type != type) continue;
+    p.w[p.n_w] = base.w[j];
+    p.w[p.n_w].cta0 = (int32_t)tiles;
+    if (a.ep != Epilogue::SwiGLU) tiles += ceil_div(base.w[j].n_out, (int64_t)(16 * mt));
+    ++p.n_w;
+  }
+  if (p.n_w > 0 && a.ep == Epilogue::SwiGLU) tiles = ceil_div(base.w[0].n_out, (int64_t)(8 * mt));
+  SPECD_CHECK(tiles < (int64_t)1 << 31, "linear: too many output rows");
+  p.n_tiles = (int32_t)tiles;
+  return tiles;
+}
+
+}  // namespace
+
+// Bytes of LinearArgs::work the tensor-core digit reader needs for n rows of K inputs: the
+// images of the tiles of x (for tiles of 16 rows, which covers tiles of 8) and inv_r per row.
+size_t kq_mma_work_bytes(int64_t n, int64_t K) {
+  if (n < 2 || n > kMaxSmallBatch || K % 64 != 0) return 0;
+  const int64_t rows = ceil_div(n, (int64_t)16) * 16;
+  return (size_t)ceil_div(n, (int64_t)16) * image_bytes(K, 16) + sizeof(float) * (size_t)rows;
+}
+
+// Takes a call of kq_linear()'s digit reader (matvec_kq.cu has checked the types, K and the
+// alignment) when it has at least SPECD_GPU_MMA_MIN rows of x (default 5: up to 4 rows, the
+// direct reader's single tile reads the weights once and is faster; "0" never) on an
+// NVIDIA sm_80+ device, the images of 8 rows fit in shared memory and the call brings the
+// workspace (kq_mma_work_bytes). One digits_kernel, then one launch per weight type (QKV with
+// a Q6_K V: two); tiles of 16 or 32 weight rows, whichever takes fewer rounds of the
+// persistent CTAs. The rows are those of the direct reader, bit for bit, so every such choice
+// may depend on n.
+bool kq_mma_linear(const LinearArgs& a, gpuStream_t s) {
+  static const int min_rows = [] {
+    const std::string v = env_value("SPECD_GPU_MMA_MIN");
+    return v.empty() ? 5 : std::atoi(v.c_str());
+  }();
+  if (min_rows <= 0 || a.n < min_rows || !dev_limits().mma) return false;
+  const int64_t K = a.w[0]->n_in;
+  const size_t room = dev_limits().smem_per_block - kStaticSmem;
+  static const bool force_global = env_value("SPECD_GPU_MMA_GLOBAL") == "1";
+  const int nt = a.n > 8 ? 2 : 1, nx = 8 * nt;
+  const bool global = force_global || mma_smem(K, nx, 2) > room;  // x's image read from L1 / L2
+  if (a.work == nullptr || a.work_bytes < kq_mma_work_bytes(a.n, K) || (uintptr_t)a.work % 16 != 0) return false;
+  SPECD_CHECK(a.n * K < (int64_t)1 << 31, "linear: x has more than 2^31 elements");
+  MmaParams base;
+  fill_params(base, a, 32);  // (the LinParams part; tiles are counted per type below)
+  base.nc = (int32_t)(K / 64);
+  base.img = static_cast<uint8_t*>(a.work);
+  base.img_bytes = (int64_t)image_bytes(K, nx);
+  base.inv = reinterpret_cast<float*>(base.img + (size_t)ceil_div(a.n, (int64_t)nx) * image_bytes(K, nx));
+  if (nt == 1) gpu_launch("kq_mma_digits", digits_kernel<8>, dim3((unsigned)a.n), dim3(kThreads), 0, s, base);
+  else gpu_launch("kq_mma_digits", digits_kernel<16>, dim3((unsigned)a.n), dim3(kThreads), 0, s, base);
+  const int64_t sms = dev_limits().sms;
+  for (GgmlType type : {GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0}) {
+    MmaParams p;
+    const int64_t t2 = type_params(base, a, type, 2, p);
+    if (t2 == 0) continue;
+    // rounds of one CTA per SM, a 32-row tile costing two of 16 rows
+    const int mt = ceil_div(2 * t2, sms) < 2 * ceil_div(t2, sms) ? 1 : 2;
+    if (mt == 1) type_params(base, a, type, 1, p);
+    const size_t smem = mma_smem(K, nx, mt) - (global ? image_bytes(K, nx) : 0);
+    if (type == GgmlType::Q4_K) launch_type<GgmlType::Q4_K>(p, nt, mt, global, smem, s);
+    else if (type == GgmlType::Q6_K) launch_type<GgmlType::Q6_K>(p, nt, mt, global, smem, s);
+    else launch_type<GgmlType::Q8_0>(p, nt, mt, global, smem, s);
+  }
+  return true;
+}
+
+}  // namespace gpu
+}  // namespace specd
