@@ -1,6 +1,6 @@
-// specd/cuda/matvec_kq_mma.cu: the digit reader of matvec_kq.cu for 2..64 rows of x on TENSOR
-// CORES (NVIDIA sm_80+): the same rows, bit for bit, with the weights read once for 8 or 16
-// rows of x instead of once per 4.
+// specd/cuda/matvec_kq_mma.cu: the digit reader of matvec_kq.cu for 5..64 rows of x (a
+// speculative verify, a short prompt; SPECD_GPU_MMA_MIN) on TENSOR CORES (NVIDIA sm_80+): the
+// same rows, bit for bit, with the weights read once for 8 or 16 rows of x instead of once per 4.
 //
 // Why it can be bit-identical: matvec_kq.cu's sums are exact integers until a run ends (x in
 // 23-bit digits per 32-element block, three byte planes D_t; S_t = sum q D_t), and int8 MMAs
@@ -17,14 +17,15 @@
 //   * times the fused norm's factor inv_r (the same per-thread unit order and block_sum), then
 //     the same epilogue (store_value / store_swiglu).
 //
-// Work: a tile = 32 weight rows (two m-tiles of 16; SwiGLU: 16 gate rows over the same 16 up
+// Work: a tile = 16 MT weight rows (MT m-tiles of 16; SwiGLU: 8 MT gate rows over the same up
 // rows) times NX = 8 NT rows of x (n-tiles of 8); the 8 warps of a persistent CTA take the
 // tile's 8 quads, each loading its chunks' bytes straight from global memory one chunk ahead
 // (the stream runs on into the CTA's next tile), and meet in shared memory at the tile's end.
-// x is prepared once per CTA: digits of all of K for the NX rows (3 bytes per element, plus a
-// grid step and a sum per 32-element block: NX (3.25 K + 1024) bytes with the partial sums),
-// so the largest K is ~4096 for 16 rows on a 227 KiB device (else 8 rows, else the direct
-// reader's tiles of 4).
+// x is turned into digits once per call (digits_kernel: one CTA per row, into the workspace:
+// 3 bytes per element plus a grid step and a sum per 32-element block, laid out as the CTAs'
+// shared memory wants it); each CTA copies its NX rows' image into shared memory (NX (3.25 K +
+// 64 MT) bytes with the partial sums: K up to ~4096 for 16 rows on a 227 KiB device) or, when
+// that does not fit, reads it through L1 (the 8B's down projection, K = 12288).
 //
 // Lane (g = lane / 4, t = lane % 4) of a warp: weight rows g, g + 8 of each m-tile, x rows
 // 2t, 2t + 1 of each n-tile (the D fragment). The MMA's k-slots are a permutation of a run's
