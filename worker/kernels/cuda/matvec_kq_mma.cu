@@ -24,7 +24,7 @@
 // x is turned into digits once per call (digits_kernel: one CTA per row, into the workspace:
 // 3 bytes per element plus a grid step and a sum per 32-element block, laid out as the CTAs'
 // shared memory wants it); each CTA copies its NX rows' image into shared memory (NX (3.25 K +
-// 64 MT) bytes with the partial sums: K up to ~4096 for 16 rows on a 227 KiB device) or, when
+// 512 MT) bytes with the partial sums: K up to ~4096 for 16 rows on a 227 KiB device) or, when
 // that does not fit, reads it through L1 (the 8B's down projection, K = 12288).
 //
 // Lane (g = lane / 4, t = lane % 4) of a warp: weight rows g, g + 8 of each m-tile, x rows
