@@ -380,6 +380,18 @@ MMA_CASES = {
 }
 
 
+def test_mma_only_where_the_direct_reader_takes_one_row(rng: np.random.Generator) -> None:
+    # K = 18944 (a 7B-class down projection): the digits of a tile of 4 rows of x no longer fit
+    # a 227 KiB device, so one row takes the staged reader (matvec.cu) and so must 5..64 rows
+    # (the tensor-core digit reader reproduces the direct reader's order, not the staged one's).
+    n_in, n_out = 18944, 40
+    ws = [(T.Q4_K, random_weight(rng, T.Q4_K, n_out, n_in), n_out, n_in)]
+    x = rng.standard_normal((17, n_in), dtype=np.float32)
+    alone = rows_alone(ws, [None], x)
+    np.testing.assert_array_equal(gpu(ws, [None], x).view(np.uint32), alone.view(np.uint32))
+    np.testing.assert_array_equal(gpu(ws, [None], x[3:9]).view(np.uint32), alone[3:9].view(np.uint32))
+
+
 @pytest.mark.parametrize("case", list(MMA_CASES))
 def test_mma_rows_equal_direct_rows(case: str, rng: np.random.Generator) -> None:
     # Store (three weights, two biases), Accumulate, and SwiGLU with the fused norm, for batches

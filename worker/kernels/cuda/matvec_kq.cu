@@ -429,11 +429,13 @@ bool kq_linear(const LinearArgs& a, gpuStream_t s) {
   if (q8 && (q4 || q6)) return false;
   if (a.w[0]->n_in % 64 != 0) return false;  // (whole chunks: Q8_0 rows of 32 x odd blocks)
   if (a.ep == Epilogue::SwiGLU && a.w[0]->type != a.w[1]->type) return false;
-  if (kq_mma_linear(a, s)) return true;  // 2..64 rows on tensor cores, the same bits (matvec_kq_mma.cu)
   const int64_t plane = ceil_div(a.w[0]->n_in, kSpan) * kSpan;
   if (plane >= (1 << 28)) return false;
   const size_t row_bytes = digit_row_bytes((int)plane);
   if (!direct::tile_fits(row_bytes)) return false;
+  // from here on every n takes this file's order of operations; 5..64 rows may compute it on
+  // tensor cores (matvec_kq_mma.cu), the same bits
+  if (kq_mma_linear(a, s)) return true;
   const auto fill = [plane](KqParams& p) { p.plane = (int32_t)plane; };
   if (q8) direct::launch<KqReader<Kq<GgmlType::Q8_0>>>(a, row_bytes, s, fill);
   else if (q4 && q6) direct::launch<KqReader<KqMix>>(a, row_bytes, s, fill);
