@@ -49,6 +49,18 @@ __device__ __forceinline__ Digits4 digits4(const float (&v)[4]) {
   return r;
 }
 
+// The digits of 4 elements a * n (x times the norm weight, or times ones) of a 32-element
+// block held by 8 consecutive lanes, with sum = the whole block's X_0 + .. + X_31 (|sum| <=
+// 2^27, exact); every lane of the group takes part in the shuffles.
+__device__ __forceinline__ Digits4 block_digits4(const float4& a, const float4& n) {
+  const float v[4] = {a.x * n.x, a.y * n.y, a.z * n.z, a.w * n.w};
+  Digits4 d = digits4(v);
+  d.sum += gpu_shfl_xor(d.sum, 1);
+  d.sum += gpu_shfl_xor(d.sum, 2);
+  d.sum += gpu_shfl_xor(d.sum, 4);
+  return d;
+}
+
 // S0 2^16 + (S1 2^8 + S2) as a float, from a run's exact sums S_t = sum q D_t (one or two
 // roundings; the second term fits int32). Every digit reader (dp4a or int8 MMA) ends a run here.
 __device__ __forceinline__ float digit_sum(int s0, int s1, int s2) { return fmaf((float)s0, 65536.f, (float)(s1 * 256 + s2)); }

@@ -89,12 +89,7 @@ __device__ __forceinline__ void prep_digits(const KqParams& p, const int32_t (&x
 #pragma unroll
       for (int r = 0; r < NR; ++r) {
         if (ss != nullptr && u < units) ss[r] = add_squares(a[c][r], ss[r]);
-        const float v[4] = {a[c][r].x * n[c].x, a[c][r].y * n[c].y, a[c][r].z * n[c].z, a[c][r].w * n[c].w};
-        const Digits4 d = digits4(v);
-        int sum = d.sum;  // over the 32-element block: |sum| <= 2^27, exact
-        sum += gpu_shfl_xor(sum, 1);
-        sum += gpu_shfl_xor(sum, 2);
-        sum += gpu_shfl_xor(sum, 4);
+        const Digits4 d = block_digits4(a[c][r], n[c]);
         if (u < units) {
           uint8_t* row = dig + (size_t)r * digit_row_bytes(plane);
           const int at = digit_at(4 * u);
@@ -104,7 +99,7 @@ __device__ __forceinline__ void prep_digits(const KqParams& p, const int32_t (&x
           if ((u & 7) == 0) {  // sub-block u / 8 = 2c + h: meta[4c + 2h], [4c + 2h + 1]
             float* meta = reinterpret_cast<float*>(row + 3 * plane);
             meta[u / 4] = d.xsb;
-            meta[u / 4 + 1] = (float)sum * d.xsb;
+            meta[u / 4 + 1] = (float)d.sum * d.xsb;
           }
         }
       }

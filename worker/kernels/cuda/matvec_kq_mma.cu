@@ -406,18 +406,13 @@ __global__ void __launch_bounds__(kThreads) digits_kernel(const MmaParams p) {
     for (int c = 0; c < C; ++c) {
       const int u = (i0 + c) * kThreads + (int)threadIdx.x;
       if (p.norm_w != nullptr && u < units) ss = add_squares(a[c], ss);
-      const float v[4] = {a[c].x * n[c].x, a[c].y * n[c].y, a[c].z * n[c].z, a[c].w * n[c].w};
-      const Digits4 d = digits4(v);
-      int sum = d.sum;  // over the 32-element block: |sum| <= 2^27, exact
-      sum += gpu_shfl_xor(sum, 1);
-      sum += gpu_shfl_xor(sum, 2);
-      sum += gpu_shfl_xor(sum, 4);
+      const Digits4 d = block_digits4(a[c], n[c]);
       if (u < units) {
         uint8_t* at = seg_ptr<NX>(img, K, 0, u >> 2, r) + 4 * (u & 3);
         *reinterpret_cast<uint32_t*>(at) = d.d0;
         *reinterpret_cast<uint32_t*>(at + (size_t)(K * NX)) = d.d1;
         *reinterpret_cast<uint32_t*>(at + 2 * (size_t)(K * NX)) = d.d2;
-        if ((u & 7) == 0) *reinterpret_cast<float2*>(meta + 2 * ((u >> 3) * NX + r)) = make_float2(d.xsb, (float)sum * d.xsb);
+        if ((u & 7) == 0) *reinterpret_cast<float2*>(meta + 2 * ((u >> 3) * NX + r)) = make_float2(d.xsb, (float)d.sum * d.xsb);
       }
     }
   }
