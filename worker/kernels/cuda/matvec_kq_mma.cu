@@ -137,6 +137,27 @@ __device__ __forceinline__ V ldx(const void* p) {
   else return *reinterpret_cast<const V*>(p);
 }
 
+// A run's B fragments, plane by plane: the bytes at seg_at(segment, row) + off (V: uint2 for a
+// 32-element run, 8 bytes of two segments; uint32_t for a 16-element run).
+template <bool G, int NX, class V>
+__device__ __forceinline__ void run_planes(const uint8_t* dig, int64_t K, int seg, int row, int off, V (&b)[3]) {
+#pragma unroll
+  for (int pl = 0; pl < 3; ++pl) b[pl] = ldx<G, V>(seg_at<NX>(dig, K, pl, seg, row) + off);
+}
+// A 32-element run's exact sums S_t (D_0 signed, D_1, D_2 unsigned digits; kAS: signed weights)
+template <bool kAS>
+__device__ __forceinline__ void run_sums(const uint32_t (&a)[4], const uint2 (&b)[3], int (&D)[3][4]) {
+  mma_i8_k32<kAS, true>(D[0], a, b[0].x, b[0].y);
+  mma_i8_k32<kAS, false>(D[1], a, b[1].x, b[1].y);
+  mma_i8_k32<kAS, false>(D[2], a, b[2].x, b[2].y);
+}
+// The same for a 16-element run of signed weights (rows g: a0, g + 8: a1)
+__device__ __forceinline__ void run_sums(uint32_t a0, uint32_t a1, const uint32_t (&b)[3], int (&D)[3][4]) {
+  mma_i8_k16<true, true>(D[0], a0, a1, b[0]);
+  mma_i8_k16<true, false>(D[1], a0, a1, b[1]);
+  mma_i8_k16<true, false>(D[2], a0, a1, b[2]);
+}
+
 template <GgmlType T, int MT>
 struct Mq;
 
@@ -191,21 +212,17 @@ struct Mq<GgmlType::Q4_K, MT> {
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         uint2 b[3];
-#pragma unroll
-        for (int pl = 0; pl < 3; ++pl)
-          b[pl] = ldx<G, uint2>(seg_at<NX>(dig, K, pl, seg, 8 * nt + g) + 8 * (t & 1));
+        run_planes<G, NX>(dig, K, seg, 8 * nt + g, 8 * (t & 1), b);
         const float4 mx = ldx<G, float4>(meta + 2 * (blk * NX + 8 * nt + 2 * t));
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-          int D0[4], D1[4], D2[4];
-          mma_i8_k32<false, true>(D0, a[mt], b[0].x, b[0].y);
-          mma_i8_k32<false, false>(D1, a[mt], b[1].x, b[1].y);
-          mma_i8_k32<false, false>(D2, a[mt], b[2].x, b[2].y);
+          int D[3][4];
+          run_sums<false>(a[mt], b, D);
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const float xs = (e & 1) ? mx.z : mx.x, xsum = (e & 1) ? mx.w : mx.y;
             float& r = acc[mt][nt][e];
-            r = fmaf(digit_sum(D0[e], D1[e], D2[e]) * xs, s[mt][e >> 1][run], r);
+            r = fmaf(digit_sum(D[0][e], D[1][e], D[2][e]) * xs, s[mt][e >> 1][run], r);
             r = fmaf(m[mt][e >> 1][run], xsum, r);
           }
         }
@@ -279,21 +296,17 @@ struct Mq<GgmlType::Q6_K, MT> {
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         uint32_t bw[3];
-#pragma unroll
-        for (int pl = 0; pl < 3; ++pl)
-          bw[pl] = ldx<G, uint32_t>(seg_at<NX>(dig, K, pl, seg, 8 * nt + g) + 4 * t);
+        run_planes<G, NX>(dig, K, seg, 8 * nt + g, 4 * t, bw);
         const float4 mx = ldx<G, float4>(meta + 2 * (blk * NX + 8 * nt + 2 * t));
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-          int D0[4], D1[4], D2[4];
-          mma_i8_k16<true, true>(D0, a[mt][0], a[mt][1], bw[0]);
-          mma_i8_k16<true, false>(D1, a[mt][0], a[mt][1], bw[1]);
-          mma_i8_k16<true, false>(D2, a[mt][0], a[mt][1], bw[2]);
+          int D[3][4];
+          run_sums(a[mt][0], a[mt][1], bw, D);
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const float xs = (e & 1) ? mx.z : mx.x;
             float& r = acc[mt][nt][e];
-            r = fmaf(digit_sum(D0[e], D1[e], D2[e]) * xs, s[mt][e >> 1][k], r);
+            r = fmaf(digit_sum(D[0][e], D[1][e], D[2][e]) * xs, s[mt][e >> 1][k], r);
           }
         }
       }
@@ -352,21 +365,17 @@ struct Mq<GgmlType::Q8_0, MT> {
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         uint2 b[3];
-#pragma unroll
-        for (int pl = 0; pl < 3; ++pl)
-          b[pl] = ldx<G, uint2>(seg_at<NX>(dig, K, pl, seg, 8 * nt + g) + 8 * (t & 1));
+        run_planes<G, NX>(dig, K, seg, 8 * nt + g, 8 * (t & 1), b);
         const float4 mx = ldx<G, float4>(meta + 2 * (blk * NX + 8 * nt + 2 * t));
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-          int D0[4], D1[4], D2[4];
-          mma_i8_k32<true, true>(D0, a[mt], b[0].x, b[0].y);
-          mma_i8_k32<true, false>(D1, a[mt], b[1].x, b[1].y);
-          mma_i8_k32<true, false>(D2, a[mt], b[2].x, b[2].y);
+          int D[3][4];
+          run_sums<true>(a[mt], b, D);
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const float xs = (e & 1) ? mx.z : mx.x;
             float& r = acc[mt][nt][e];
-            r = fmaf(digit_sum(D0[e], D1[e], D2[e]) * xs, d[mt][e >> 1], r);
+            r = fmaf(digit_sum(D[0][e], D[1][e], D[2][e]) * xs, d[mt][e >> 1], r);
           }
         }
       }
