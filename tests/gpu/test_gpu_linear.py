@@ -336,6 +336,13 @@ DIRECT_CASES = {
 }
 
 
+def side_by_side(rng: np.random.Generator, types, n_in: int, rows):
+    """Three weights of `types` with `rows` output rows, biases on the first and the last."""
+    ws = [(t, random_weight(rng, t, m, n_in), m, n_in) for t, m in zip(types, rows)]
+    biases = [rng.standard_normal(rows[0], dtype=np.float32), None, rng.standard_normal(rows[2], dtype=np.float32)]
+    return ws, biases
+
+
 @pytest.mark.parametrize("case", list(DIRECT_CASES))
 def test_direct_store_accumulate_swiglu(case: str, rng: np.random.Generator) -> None:
     # Three weights side by side (more blocks of rows than persistent CTAs, a partial last
@@ -345,8 +352,7 @@ def test_direct_store_accumulate_swiglu(case: str, rng: np.random.Generator) -> 
     # tiles of 4 and 2, n = 1 tiles of 1).
     types, n_in, rows = DIRECT_CASES[case]
     x = rng.standard_normal((6, n_in), dtype=np.float32)
-    ws = [(t, random_weight(rng, t, m, n_in), m, n_in) for t, m in zip(types, rows)]
-    biases = [rng.standard_normal(rows[0], dtype=np.float32), None, rng.standard_normal(rows[2], dtype=np.float32)]
+    ws, biases = side_by_side(rng, types, n_in, rows)
     y = gpu(ws, biases, x)
     check_store(y, x, ws, biases, lambda x64, aw: small_bound(np.abs(x64), aw), case)
     np.testing.assert_array_equal(y[:2].view(np.uint32), rows_alone(ws, biases, x[:2]).view(np.uint32))
@@ -362,7 +368,7 @@ def test_direct_store_accumulate_swiglu(case: str, rng: np.random.Generator) -> 
                                   rows_alone(gate_up, [None, None], xs[4:], **kw).view(np.uint32))
 
 
-# ---- the digit reader on tensor cores (matvec_kq_mma.cu): 2..64 rows of x of the calls above
+# ---- the digit reader on tensor cores (matvec_kq_mma.cu): 5..64 rows of x of the calls above
 # (NVIDIA sm_80+), the rows of the direct reader bit for bit (exact int8 MMA sums, the same float
 # order), with the weights read once per 8 or 16 rows of x; tiles of 32 weight rows where a
 # type has at least one per SM (the 5001 / 9001-row weights: Store, Accumulate and SwiGLU), else 16
@@ -395,12 +401,12 @@ def test_mma_only_where_the_direct_reader_takes_one_row(rng: np.random.Generator
 @pytest.mark.parametrize("case", list(MMA_CASES))
 def test_mma_rows_equal_direct_rows(case: str, rng: np.random.Generator) -> None:
     # Store (three weights, two biases), Accumulate, and SwiGLU with the fused norm, for batches
-    # of 2, 7 (tiles of 8 rows of x), 9, 16, 33 (tiles of 16; 33: three tiles, rows past n) and
-    # 64: every row bit-equal to the same row computed alone (n = 1: the direct reader).
+    # of 2 (still the direct reader's tile), 7 (tiles of 8 rows of x), 9, 16, 33 (tiles of 16;
+    # 33: three tiles, rows past n) and 64: every row bit-equal to the same row computed alone
+    # (n = 1: the direct reader).
     types, n_in, rows = MMA_CASES[case]
     x = rng.standard_normal((64, n_in), dtype=np.float32)
-    ws = [(t, random_weight(rng, t, m, n_in), m, n_in) for t, m in zip(types, rows)]
-    biases = [rng.standard_normal(rows[0], dtype=np.float32), None, rng.standard_normal(rows[2], dtype=np.float32)]
+    ws, biases = side_by_side(rng, types, n_in, rows)
     alone = rows_alone(ws, biases, x)
     check_store(alone[:3], x[:3], ws, biases, lambda x64, aw: small_bound(np.abs(x64), aw), case)
     qtype, m = types[1], rows[1]
@@ -438,9 +444,7 @@ def swiglu_tol(g, u, bg, bu) -> np.ndarray:
 def check_store_three(rng: np.random.Generator, n: int, n_in: int, specs) -> None:
     """Three weights (type, n_out) stored side by side, biases on the first and the last,
     against float64 within bound_for(n)."""
-    ws = [(t, random_weight(rng, t, m, n_in), m, n_in) for t, m in specs]
-    biases = [rng.standard_normal(specs[0][1], dtype=np.float32), None,
-              rng.standard_normal(specs[2][1], dtype=np.float32)]
+    ws, biases = side_by_side(rng, [t for t, _ in specs], n_in, [m for _, m in specs])
     x = rng.standard_normal((n, n_in), dtype=np.float32)
     y = gpu(ws, biases, x)
     assert y.shape == (n, sum(m for _, m in specs))
