@@ -9,6 +9,10 @@ checked with np.array_equal, as lossless speculative decoding needs it exactly.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -485,3 +489,67 @@ def test_sample_rejects_empty_rows():
         gpu().argmax_rows(np.zeros((2, 0), np.float32))
     with pytest.raises(native.EngineError, match="nv > 0"):
         gpu().softmax_rows(np.zeros((2, 0), np.float32))
+
+
+# ---------------------------------------------------------------- rope_kv fused into attention
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("mode", ["normal", "neox"])
+@pytest.mark.parametrize("nh,nkv,hd,n_dims,base,scale,with_factors,qk_norm", ROPE_CASES)
+@pytest.mark.parametrize("n,pos0", [(1, 0), (1, 700), (2, 255), (5, 250), (16, 3000), (17, 60), (40, 500)])
+def test_rope_attention_equals_rope_kv_then_attention(rng, dtype, mode, nh, nkv, hd, n_dims, base, scale,
+                                                      with_factors, qk_norm, n, pos0):
+    # The engine's call (AttnArgs::rope): a decode (n = 1) norms/ropes q and the new K/V row
+    # inside the attention kernel, one block per KV head and chunk writing its cache row; more
+    # rows run rope_kv's kernel first (rows straddling a chunk, GQA 7 queries straddling row
+    # tiles). Output and both caches must be the same BITS as the two kernels run apart
+    # (speculation compares decode with verify). The cache's rows from pos0 on start as NaN:
+    # neither path may read them before writing them.
+    n_ctx = pos0 + n + 3
+    qkv, kc, vc = rope_inputs(rng, n, nh, nkv, hd, 4, pos0, n_ctx, f16=dtype is np.float16)
+    kc[pos0:] = np.nan
+    vc[pos0:] = np.nan
+    rope = {"n_dims": n_dims, "freq_base": base, "freq_scale": scale, "mode": mode}
+    if with_factors:
+        rope["freq_factors"] = rng.uniform(1.0, 32.0, n_dims // 2).astype(np.float32)
+    q_norm = k_norm = None
+    if qk_norm:
+        q_norm = rng.uniform(0.5, 2.0, hd).astype(np.float32)
+        k_norm = rng.uniform(0.5, 2.0, hd).astype(np.float32)
+    att_scale = 1.0 / np.sqrt(hd)
+    roped, k2, v2 = gpu().rope_kv(qkv, pos0, nh, nkv, hd, q_norm, k_norm, 1e-6, rope, kc, vc)
+    want = gpu().attention(np.ascontiguousarray(roped[:, : nh * hd]), k2, v2, pos0, nh, nkv, hd, att_scale)
+    out, k1, v1 = gpu().rope_attention(qkv, pos0, nh, nkv, hd, q_norm, k_norm, 1e-6, rope, kc, vc, att_scale)
+    assert np.isfinite(out).all()
+    assert np.array_equal(out, want)
+    bits = np.uint16 if dtype is np.float16 else np.uint32
+    assert np.array_equal(k1.view(bits), k2.view(bits)) and np.array_equal(v1.view(bits), v2.view(bits))
+    assert np.isfinite(k1[: pos0 + n]).all() and np.isnan(k1[pos0 + n :]).all()
+
+
+def test_attention_fold_equals_combine_kernel(rng, tmp_path):
+    # Queries past position 256 combine their chunks' partials in the last block of the partial
+    # kernel (the fold). SPECD_GPU_FOLD=0 runs the separate combine kernel instead: same maths,
+    # so the same BITS, decode and verify, fp16 and float caches.
+    cases = []
+    for dtype, n, pos0, nh, nkv, hd in [(np.float16, 1, 700, 32, 8, 128), (np.float32, 5, 1000, 14, 2, 64),
+                                         (np.float16, 17, 250, 16, 8, 128), (np.float16, 3, 5000, 8, 2, 256)]:
+        q, k, v = attention_inputs(rng, n, pos0, nh, nkv, hd, dtype)
+        cases.append((q, k, v, pos0, nh, nkv, hd))
+        np.savez(tmp_path / f"case{len(cases)}.npz", q=q, k=k, v=v, meta=np.array([pos0, nh, nkv, hd]))
+    script = (
+        "import sys, numpy as np\n"
+        "from worker.engine import native\n"
+        "for i in range(1, %d):\n"
+        "    z = np.load(sys.argv[1] + f'/case{i}.npz')\n"
+        "    pos0, nh, nkv, hd = (int(x) for x in z['meta'])\n"
+        "    out = native.gpu_ops.attention(z['q'], z['k'], z['v'], pos0, nh, nkv, hd, 1.0 / np.sqrt(hd))\n"
+        "    np.save(sys.argv[1] + f'/out{i}.npy', out)\n" % (len(cases) + 1)
+    )
+    env = dict(os.environ, SPECD_GPU_FOLD="0")
+    subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env, check=True)
+    for i, (q, k, v, pos0, nh, nkv, hd) in enumerate(cases, 1):
+        folded = gpu().attention(q, k, v, pos0, nh, nkv, hd, 1.0 / np.sqrt(hd))
+        assert np.isfinite(folded).all()
+        assert np.array_equal(folded, np.load(tmp_path / f"out{i}.npy")), f"case {i}"

@@ -173,6 +173,32 @@ void register_gpu_ops(py::module_& m) {
       },
       py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("pos0"), py::arg("n_heads"),
       py::arg("n_kv_heads"), py::arg("head_dim"), py::arg("scale"));
+  g.def(
+      "rope_attention",
+      [](const f32_array& qkv, int32_t pos0, int32_t n_heads, int32_t n_kv_heads, int32_t head_dim,
+         py::object q_norm, py::object k_norm, float eps, const py::dict& rope, const py::array& k_cache,
+         const py::array& v_cache, float scale) {
+        std::vector<f32_array> keep;
+        if (qkv.ndim() != 2) throw Error("qkv must be [n, ld]");
+        const float* qn = opt_f32(q_norm, keep, head_dim, "q_norm");
+        const float* kn = opt_f32(k_norm, keep, head_dim, "k_norm");
+        RopeParams p = rope_of(rope, keep);
+        bool f16k, f16v;
+        py::array kc = cache_copy(k_cache, f16k), vc = cache_copy(v_cache, f16v);
+        if (f16k != f16v) throw Error("k and v caches must have the same type");
+        check_cache(kc, vc, n_kv_heads, head_dim);
+        py::array_t<float> out({qkv.shape(0), (py::ssize_t)n_heads * head_dim});
+        float* op = out.mutable_data();
+        {
+          py::gil_scoped_release nogil;
+          T::rope_attention(qkv.data(), qkv.shape(1), qkv.shape(0), pos0, n_heads, n_kv_heads, head_dim, qn, kn, eps,
+                            p, kc.mutable_data(), vc.mutable_data(), f16k, kc.shape(0), scale, op);
+        }
+        return py::make_tuple(out, kc, vc);
+      },
+      py::arg("qkv"), py::arg("pos0"), py::arg("n_heads"), py::arg("n_kv_heads"), py::arg("head_dim"),
+      py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(), py::arg("eps") = 0.f, py::arg("rope"),
+      py::arg("k_cache"), py::arg("v_cache"), py::arg("scale"));
   g.def("argmax_rows", [](const f32_array& logits) {
     if (logits.ndim() != 2) throw Error("logits must be [n, n_vocab]");
     py::array_t<int32_t> out(logits.shape(0));

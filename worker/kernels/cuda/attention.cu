@@ -8,7 +8,9 @@
 //   l   = butterfly over 32 lanes of each lane's ascending sum of p_{lane + 32k}, k < 8
 //   o   = sum_j p_j V_j               sequential fmaf chain over j ascending
 // A query with one chunk (p < 256) is finished in place: out = o / l. Otherwise the partials
-// (m_c, l_c, o_c) go to the workspace and a second kernel combines them:
+// (m_c, l_c, o_c) go to the workspace and the last block to finish a (row tile, KV head)'s
+// chunks combines its rows (an atomic count per tile; a separate combine kernel where the
+// block's shared memory is too small for the chunk count, or with SPECD_GPU_FOLD=0):
 //   M = max_c m_c,  w_c = exp(m_c - M),  out = (sum_c w_c o_c) / (sum_c w_c l_c)
 // each sum taken as K interleaved fmaf chains (c = k mod K, ascending) added in k order,
 // K = 256 / (head_dim/4). Every step's order is fixed by the query's position, its head and
@@ -31,7 +33,8 @@
 // head_dim is padded to HD in {64, 128, 256} with zeros (exact: 0 * 0 adds nothing). Block
 // shapes (RMAX, ST): "Dec" for <= 8-16 rows (decode, short verify: long sub-tiles), "Big" for
 // more rows (sm_80+), "Small" where shared memory is 64 KiB (sm_75, AMD); none changes a result.
-// Combine kernel: grid (n_heads, queries), one block per (query, head).
+// Combine (combine_row): 256 threads per (query, head), in the partial kernel's last block of
+// the tile or in its own kernel, grid (n_heads, queries).
 //
 // Long prefills are cut into launches of at most kMaxQueriesPerLaunch queries (fewer for very
 // long contexts) so the workspace stays bounded; queries are independent, so this changes no
@@ -104,7 +107,8 @@ struct Cfg {
 };
 
 struct AttnParams {
-  const float* q;      // [n, n_heads, hd]
+  const float* q;      // query r at q + r*ld_q: [n_heads, hd] (fuse: the raw row [q | k | v])
+  int64_t ld_q;
   const void* k;       // [n_ctx, n_kv*hd]
   const void* v;
   float* out;          // [n, n_heads, hd]
@@ -117,7 +121,36 @@ struct AttnParams {
   int32_t n_heads, n_kv, group, hd, n_chunks;
   int32_t n_tiles;     // row tiles of the block shape in use
   float scale;
+  int32_t fold;        // 1: the partial kernel combines (the last block of a tile's chunks)
+  int* counters;       // [n_tiles, n_kv] blocks done per (row tile, KV head); 0 between launches
+  // rope_kv's step fused in (attention.cuh: AttnArgs::rope), when fuse != 0
+  int32_t fuse;
+  RopeShape rs;
+  const float* q_norm;  // [hd] or null
+  const float* k_norm;
+  const float* factors; // [n_dims/2] or null
+  void* kw;             // the caches, written: the new rows
+  void* vw;
+  double base_freq[kRopeMaxPairs];
 };
+
+// Shared memory of the fused step past the block shape's own: the angles (cos, sin) of the
+// position [kRopeMaxPairs, 2] (double), then the new K and V rows, [kAttnMaxFusedRows, hd]
+// each, as the cache stores them (fp16 bits or float).
+template <class C, class KvT>
+struct Fresh {
+  static constexpr size_t kOff = (C::kSmemBytes + 15) / 16 * 16;
+  static constexpr size_t kAngles = 2 * kRopeMaxPairs * sizeof(double);
+  static constexpr size_t kRow = (size_t)C::HD * sizeof(KvT);
+  static constexpr size_t kBytes = kAngles + 2 * (size_t)kAttnMaxFusedRows * kRow;
+};
+
+template <class KvT>
+__device__ __forceinline__ KvT to_kv(float v);
+template <>
+__device__ __forceinline__ uint16_t to_kv<uint16_t>(float v) { return f32_to_f16_bits(v); }  // nearest even
+template <>
+__device__ __forceinline__ float to_kv<float>(float v) { return v; }
 
 // A sub-tile of ST cache rows (one KV head, dims padded to HD) in registers, 16 bytes a load,
 // then converted to float into shared memory. Rows >= jend and dims >= hd are zeros.
@@ -138,13 +171,18 @@ struct TileRegs {
                                   : make_uint4(0, 0, 0, 0);
     }
   }
-  __device__ __forceinline__ void store(float* tile) const {
+  // fresh (fused step): rows j in [jnew, jend) of this sub-tile (first row j0) are taken from
+  // fresh [j - jnew, hd] instead (the loads stopped at jnew).
+  __device__ __forceinline__ void store(float* tile, const KvT* fresh, int hd, int j0, int jnew, int jend) const {
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
       const int v = threadIdx.x + kAttnThreads * i, jj = v / VPR, d = (v % VPR) * VEC;
       float* dst = tile + jj * C::HDP + d;
+      uint4 x = r[i];
+      if (fresh != nullptr && j0 + jj >= jnew && j0 + jj < jend)
+        x = d < hd ? *reinterpret_cast<const uint4*>(fresh + (int64_t)(j0 + jj - jnew) * hd + d) : make_uint4(0, 0, 0, 0);
       if (sizeof(KvT) == 2) {
-        const uint32_t w[4] = {r[i].x, r[i].y, r[i].z, r[i].w};
+        const uint32_t w[4] = {x.x, x.y, x.z, x.w};
         float f[8];
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
@@ -155,8 +193,8 @@ struct TileRegs {
         *reinterpret_cast<float4*>(dst) = make_float4(f[0], f[1], f[2], f[3]);
         *reinterpret_cast<float4*>(dst + 4) = make_float4(f[4], f[5], f[6], f[7]);
       } else {
-        *reinterpret_cast<float4*>(dst) = make_float4(__uint_as_float(r[i].x), __uint_as_float(r[i].y),
-                                                      __uint_as_float(r[i].z), __uint_as_float(r[i].w));
+        *reinterpret_cast<float4*>(dst) =
+            make_float4(__uint_as_float(x.x), __uint_as_float(x.y), __uint_as_float(x.z), __uint_as_float(x.w));
       }
     }
   }
@@ -247,13 +285,67 @@ __device__ __forceinline__ bool item_of(const AttnParams& P, int64_t item, int p
   return true;
 }
 
+// The fused step for one item (a warp per head): the q heads of its rows, normed and roped into
+// qs (zero-padded to HD), and the new K / V rows of its chunk (positions from pos0, the
+// launch's first query, to jend) into fk / fv [query, hd] as the cache stores them. The tile
+// holding a query's first head writes that query's K / V row of KV head g to the cache: one
+// writer per row, and no block reads a new row from the cache (the loads stop at pos0).
+__host__ __device__ constexpr int64_t combine_floats(int64_t n_chunks, int64_t hd);
+__device__ void combine_row(const AttnParams& P, int r, int h, float* csm);
+
+// The angles of the (one) new position were tabled in cs before the grid wait.
+template <class C, class KvT>
+__device__ __forceinline__ void stage_fused(const AttnParams& P, const Item& it, int pos0, float* qs, KvT* fk,
+                                            KvT* fv, const double* cs, int warp, int lane) {
+  const int jn0 = max(it.j0, pos0), nk = max(0, it.jend - jn0);
+  const int tasks = it.R + 2 * nk;
+  const int64_t ld = (int64_t)P.n_kv * P.hd;
+  auto angle = [cs](int i, double& c, double& s) {
+    c = cs[2 * i];
+    s = cs[2 * i + 1];
+  };
+  static_assert(kAttnMaxFusedRows == 1, "one position's angles are tabled");
+  for (int t = warp; t < tasks; t += kWarps) {
+    if (t < it.R) {
+      const int gr = it.row0 + t, qi = gr / P.group, h = it.g * P.group + gr % P.group;
+      float* dst = qs + t * C::HD;
+      rope_head<C::HD>(P.rs, P.q + qi * P.ld_q + (int64_t)h * P.hd, P.q_norm, lane, angle,
+                       [&](int d, float v) { dst[d] = v; });
+      for (int d = P.hd + lane; d < C::HD; d += kGroup) dst[d] = 0.f;
+    } else {
+      const bool is_k = t < it.R + nk;
+      const int j = jn0 + t - it.R - (is_k ? 0 : nk), qi = j - pos0;
+      const float* x = P.q + qi * P.ld_q + (int64_t)(P.n_heads + (is_k ? 0 : P.n_kv) + it.g) * P.hd;
+      KvT* f = (is_k ? fk : fv) + qi * P.hd;
+      KvT* cache = static_cast<KvT*>(is_k ? P.kw : P.vw) + j * ld + it.g * P.hd;
+      const bool writer = qi * P.group >= it.row0 && qi * P.group < it.row0 + it.R;
+      auto put = [&](int d, float v) {
+        const KvT b = to_kv<KvT>(v);
+        f[d] = b;
+        if (writer) cache[d] = b;
+      };
+      if (is_k) {
+        rope_head<C::HD>(P.rs, x, P.k_norm, lane, angle, put);
+      } else {
+        for (int d = lane; d < P.hd; d += kGroup) put(d, x[d]);
+      }
+    }
+  }
+}
+
 // Persistent grid of min(items, resident blocks); a block takes items blockIdx.x + k*gridDim.x
 // and stops at the first chunk past the launch's last position. The next live item's first K
 // sub-tile is loaded while the current one finishes.
 template <class C, class KvT>
 __global__ void __launch_bounds__(kAttnThreads, C::MINB) attn_chunk_kernel(const AttnParams P) {
-  gpu_grid_wait();  // (programmatic dependent launch: vendor.cuh)
-  gpu_grid_launch_dependents();
+  // (programmatic dependent launch: vendor.cuh) Fused, the first K sub-tile's cache rows (all
+  // older than this forward) are loaded before the wait, overlapping the QKV product's end.
+  const bool fuse = P.fuse != 0;
+  bool waited = !fuse;
+  if (waited) {
+    gpu_grid_wait();
+    gpu_grid_launch_dependents();
+  }
   extern __shared__ float4 smem4[];
   float* smem = reinterpret_cast<float*>(smem4);
   float* qs = smem + C::kQ;
@@ -262,6 +354,11 @@ __global__ void __launch_bounds__(kAttnThreads, C::MINB) attn_chunk_kernel(const
   float* ml = smem + C::kMl;
   int* row_valid = reinterpret_cast<int*>(ml + 2 * C::RMAX);  // [RMAX] positions of this chunk a row sees
   int* row_qh = row_valid + C::RMAX;                          // [RMAX] query * n_heads + head
+  double* cs = reinterpret_cast<double*>(reinterpret_cast<char*>(smem4) + Fresh<C, KvT>::kOff);  // fused
+  KvT* fk = reinterpret_cast<KvT*>(reinterpret_cast<char*>(cs) + Fresh<C, KvT>::kAngles);  // new K rows
+  KvT* fv = fk + kAttnMaxFusedRows * C::HD;                                                // and V rows
+  const KvT* fresh_k = fuse ? fk : nullptr;
+  const KvT* fresh_v = fuse ? fv : nullptr;
 
   const int pos0 = *P.d_pos0 + P.r0;  // position of this launch's query 0 (positions < n_ctx <= 2^21)
   const int64_t total = (int64_t)P.n_chunks * P.n_kv * P.n_tiles;
@@ -274,21 +371,35 @@ __global__ void __launch_bounds__(kAttnThreads, C::MINB) attn_chunk_kernel(const
 
   TileRegs<C, KvT> regs;
   bool prefetched = false;
+  // Cache rows an item reads end at jend, or, fused, at the launch's first new row.
+  auto load_end = [&](const Item& x) { return fuse ? min(x.jend, pos0) : x.jend; };
+  if (fuse)  // (read after the first item's barrier)
+    for (int i = threadIdx.x; i < P.rs.n_dims / 2; i += kAttnThreads)
+      rope_angle(P.base_freq, P.factors, pos0, i, cs[2 * i], cs[2 * i + 1]);
   for (int64_t item = blockIdx.x; item < total; item += gridDim.x) {
     Item it;
     if (item / (P.n_kv * P.n_tiles) > c_last) break;
     if (!item_of<C>(P, item, pos0, it)) continue;
-    const int col0 = it.g * P.hd;
-    if (!prefetched) regs.load(kc, ld, col0, P.hd, it.j0, it.jend);  // K sub-tile 0
+    const int col0 = it.g * P.hd, jl = load_end(it);
+    if (!prefetched) regs.load(kc, ld, col0, P.hd, it.j0, jl);  // K sub-tile 0
+    if (!waited) {
+      gpu_grid_wait();
+      gpu_grid_launch_dependents();
+      waited = true;
+    }
     __syncthreads();  // the previous item is done with shared memory
 
     // Stage q rows (zero-padded to HD) and each row's causal length in this chunk.
-    for (int e = threadIdx.x; e < it.R * (C::HD / 4); e += kAttnThreads) {
-      const int row = e / (C::HD / 4), dd = (e % (C::HD / 4)) * 4;
-      const int gr = it.row0 + row, qi = gr / P.group, h = it.g * P.group + gr % P.group;
-      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (dd < P.hd) v = *reinterpret_cast<const float4*>(P.q + ((int64_t)(P.r0 + qi) * P.n_heads + h) * P.hd + dd);
-      *reinterpret_cast<float4*>(qs + row * C::HD + dd) = v;
+    if (fuse) {
+      stage_fused<C, KvT>(P, it, pos0, qs, fk, fv, cs, warp, lane);
+    } else {
+      for (int e = threadIdx.x; e < it.R * (C::HD / 4); e += kAttnThreads) {
+        const int row = e / (C::HD / 4), dd = (e % (C::HD / 4)) * 4;
+        const int gr = it.row0 + row, qi = gr / P.group, h = it.g * P.group + gr % P.group;
+        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (dd < P.hd) v = *reinterpret_cast<const float4*>(P.q + (int64_t)(P.r0 + qi) * P.ld_q + h * P.hd + dd);
+        *reinterpret_cast<float4*>(qs + row * C::HD + dd) = v;
+      }
     }
     if (threadIdx.x < C::RMAX) {
       const int row = threadIdx.x, gr = it.row0 + row, qi = gr / P.group;
@@ -305,9 +416,9 @@ __global__ void __launch_bounds__(kAttnThreads, C::MINB) attn_chunk_kernel(const
     constexpr int UB = C::NU < 2 ? C::NU : 2;
     for (int st = 0; st < it.nsub; ++st) {
       __syncthreads();  // the tile is free (and, at st = 0, the staging is visible)
-      regs.store(tile);
-      if (st + 1 < it.nsub) regs.load(kc, ld, col0, P.hd, it.j0 + (st + 1) * C::ST, it.jend);
-      else regs.load(vc, ld, col0, P.hd, it.j0, it.jend);  // V sub-tile 0, in flight through phase 2
+      regs.store(tile, fresh_k, P.hd, it.j0 + st * C::ST, pos0, it.jend);
+      if (st + 1 < it.nsub) regs.load(kc, ld, col0, P.hd, it.j0 + (st + 1) * C::ST, jl);
+      else regs.load(vc, ld, col0, P.hd, it.j0, jl);  // V sub-tile 0, in flight through phase 2
       __syncthreads();
       const int joff = st * C::ST, uf = part * UB, us = PU * UB;
       switch (ni1) {
@@ -357,14 +468,14 @@ __global__ void __launch_bounds__(kAttnThreads, C::MINB) attn_chunk_kernel(const
     for (int i = 0; i < C::NI3; ++i) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int st = 0; st < it.nsub; ++st) {
       __syncthreads();  // S is final (st == 0) / the tile is free
-      regs.store(tile);
+      regs.store(tile, fresh_v, P.hd, it.j0 + st * C::ST, pos0, it.jend);
       if (st + 1 < it.nsub) {
-        regs.load(vc, ld, col0, P.hd, it.j0 + (st + 1) * C::ST, it.jend);
+        regs.load(vc, ld, col0, P.hd, it.j0 + (st + 1) * C::ST, jl);
       } else {  // the next live item's K sub-tile 0
         Item nx;
         const int64_t next = item + gridDim.x;
         prefetched = next < total && next / (P.n_kv * P.n_tiles) <= c_last && item_of<C>(P, next, pos0, nx);
-        if (prefetched) regs.load(kc, ld, nx.g * P.hd, P.hd, nx.j0, nx.jend);
+        if (prefetched) regs.load(kc, ld, nx.g * P.hd, P.hd, nx.j0, load_end(nx));
       }
       __syncthreads();
       const int joff = st * C::ST;
@@ -399,41 +510,64 @@ __global__ void __launch_bounds__(kAttnThreads, C::MINB) attn_chunk_kernel(const
         }
       }
     }
+
+    // ---- fold: the last block done with this (row tile, KV head)'s chunks combines its rows
+    // (threadFenceReduction: partials fenced before the count, read from L2 after it)
+    const int tile_chunks = min(P.n_chunks - 1, (pos0 + (it.row0 + it.R - 1) / P.group) / kChunk) + 1;
+    if (P.fold && tile_chunks > 1) {
+      int* count = P.counters + (it.row0 / C::RMAX) * P.n_kv + it.g;
+      __threadfence();
+      __syncthreads();  // every partial of this block written (and shared memory free)
+      if (threadIdx.x == 0) {
+        const bool last = atomicAdd(count, 1) == tile_chunks - 1;
+        if (last) *count = 0;  // every other block of the tile is done with it: ready for the next launch
+        row_valid[0] = last;
+      }
+      __syncthreads();
+      if (row_valid[0]) {
+        __threadfence();
+        for (int row = 0; row < it.R; ++row) {
+          const int gr = it.row0 + row;
+          combine_row(P, gr / P.group, it.g * P.group + gr % P.group, smem);
+        }
+      }
+    }
   }
 }
 
-// grid (n_heads, nq), 256 threads, one block per (query, head) of a query with more than one
-// chunk. Thread t -> dims d = 4 (t % (hd/4)) and chunk class k = t / (hd/4) < K = 256/(hd/4):
+// Combines the partials of launch-local query r, head h, when it has more than one chunk; all
+// kAttnThreads threads call it (uniform early return). Thread t -> dims d = 4 (t % (hd/4)) and
+// chunk class k = t / (hd/4) < K = 256/(hd/4):
 //   M = max_c m_c,  w_c = exp(m_c - M)
 //   A_k = sum_{c = k mod K, ascending} w_c o_c,  L_k likewise with l_c   (fmaf chains)
 //   out = (A_0 + A_1 + ... + A_{K-1}) / (L_0 + ... + L_{K-1})           (k ascending)
-// Fixed by (head_dim, the query's chunk count) alone. Dynamic shared memory: n_chunks (rounded up
-// to 4) + K*(hd+1) floats.
-__global__ void __launch_bounds__(kAttnThreads) attn_combine_kernel(const AttnParams P) {
-  gpu_grid_wait();  // (programmatic dependent launch: vendor.cuh)
-  gpu_grid_launch_dependents();
-  extern __shared__ float csm[];
-  __shared__ float red[kWarps];
-  const int h = blockIdx.x, r = blockIdx.y;  // r: launch-local query
+// Fixed by (head_dim, the query's chunk count) alone. csm: combine_floats(n_chunks, hd) shared
+// floats. The partials are read from L2 (gpu_load_l2): other blocks of the same launch wrote them.
+__host__ __device__ constexpr int64_t combine_floats(int64_t n_chunks, int64_t hd) {
+  return kWarps + ((n_chunks + 3) & ~int64_t(3)) + (kAttnThreads / (hd / 4)) * (hd + 1);
+}
+
+__device__ void combine_row(const AttnParams& P, int r, int h, float* csm) {
   const int64_t p = (int64_t)*P.d_pos0 + P.r0 + r;
   const int nc = (int)min64(P.n_chunks, p / kChunk + 1);
   if (nc <= 1) return;  // finished by the partial kernel
   const int64_t u0 = ((int64_t)r * P.n_heads + h) * P.n_chunks;
   const float* mlp = P.work_ml + 2 * u0;
   const int d4s = P.hd / 4, K = kAttnThreads / d4s;
-  float* w = csm;                                // [n_chunks, rounded up to 4]
-  float* partA = csm + ((P.n_chunks + 3) & ~3);  // [K, hd] (16-byte aligned)
-  float* partL = partA + K * P.hd;       // [K]
+  float* red = csm;                              // [kWarps]
+  float* w = csm + kWarps;                       // [n_chunks, rounded up to 4]
+  float* partA = w + ((P.n_chunks + 3) & ~3);    // [K, hd] (16-byte aligned)
+  float* partL = partA + K * P.hd;               // [K]
 
   float m = -INFINITY;
-  for (int c = threadIdx.x; c < nc; c += kAttnThreads) m = fmaxf(m, mlp[2 * c]);
+  for (int c = threadIdx.x; c < nc; c += kAttnThreads) m = fmaxf(m, gpu_load_l2(mlp + 2 * c));
   m = group_max(m);
   if (threadIdx.x % kGroup == 0) red[threadIdx.x / kGroup] = m;
   __syncthreads();
   float M = red[0];
 #pragma unroll
   for (int i = 1; i < kWarps; ++i) M = fmaxf(M, red[i]);
-  for (int c = threadIdx.x; c < nc; c += kAttnThreads) w[c] = exp_diff(mlp[2 * c], M);
+  for (int c = threadIdx.x; c < nc; c += kAttnThreads) w[c] = exp_diff(gpu_load_l2(mlp + 2 * c), M);
   __syncthreads();
 
   const int k = threadIdx.x / d4s, d = (threadIdx.x % d4s) * 4;
@@ -443,8 +577,8 @@ __global__ void __launch_bounds__(kAttnThreads) attn_combine_kernel(const AttnPa
 #pragma unroll 4
     for (int c = k; c < nc; c += K) {
       const float wc = w[c];
-      fma4(a, wc, *reinterpret_cast<const float4*>(P.work_o + (u0 + c) * P.hd + d));
-      l = fmaf(wc, mlp[2 * c + 1], l);
+      fma4(a, wc, gpu_load_l2(reinterpret_cast<const float4*>(P.work_o + (u0 + c) * P.hd + d)));
+      l = fmaf(wc, gpu_load_l2(mlp + 2 * c + 1), l);
     }
     *reinterpret_cast<float4*>(partA + k * P.hd + d) = a;
     if (d == 0) partL[k] = l;
@@ -461,11 +595,26 @@ __global__ void __launch_bounds__(kAttnThreads) attn_combine_kernel(const AttnPa
     *reinterpret_cast<float4*>(P.out + ((int64_t)(P.r0 + r) * P.n_heads + h) * P.hd + d) =
         make_float4(__fdiv_rn(a.x, L), __fdiv_rn(a.y, L), __fdiv_rn(a.z, L), __fdiv_rn(a.w, L));
   }
+  __syncthreads();  // csm is free again
+}
+
+// grid (n_heads, nq): one block per (query, head), where the partial kernel cannot combine
+// (fold = 0: its shared memory is too small for the chunk count). Dynamic shared memory:
+// combine_floats(n_chunks, hd) floats.
+__global__ void __launch_bounds__(kAttnThreads) attn_combine_kernel(const AttnParams P) {
+  gpu_grid_wait();  // (programmatic dependent launch: vendor.cuh)
+  gpu_grid_launch_dependents();
+  extern __shared__ float4 csm4[];
+  combine_row(P, blockIdx.y, blockIdx.x, reinterpret_cast<float*>(csm4));
 }
 
 // ---- host side
 
 int n_chunks_of(int64_t n_ctx) { return (int)ceil_div(n_ctx, kChunk); }
+
+// The fold's counters: one per (row tile, KV head); tiles hold >= 8 rows and a KV head's rows
+// are its query heads, so nq * n_heads / 8 + n_kv covers every block shape.
+size_t counter_count(int64_t nq, int32_t n_heads) { return (size_t)(nq * n_heads / 8 + n_heads); }
 
 // Queries per launch: all of them when no workspace is needed, else at most
 // kMaxQueriesPerLaunch and few enough for the workspace to stay near kWorkBudget.
@@ -477,38 +626,66 @@ int64_t queries_per_launch(int64_t n, int64_t n_ctx, int32_t n_heads, int32_t he
   return std::max<int64_t>(1, std::min<int64_t>({n, (int64_t)kMaxQueriesPerLaunch, fit}));
 }
 
+// Launches the partial kernel in block shape C (and the combine kernel where the partial one
+// cannot fold the combine in), or, with s == kDryRun, only returns the shared memory it would
+// take (the fused step's included).
+const gpuStream_t kDryRun = reinterpret_cast<gpuStream_t>(~uintptr_t(0));
+
+// SPECD_GPU_FOLD=0: the combine always in its own launch (benchmarks).
+bool fold_off() {
+  static const bool off = env_value("SPECD_GPU_FOLD") == "0";
+  return off;
+}
+
 template <class C, class KvT>
-void launch_cfg(AttnParams P, int64_t rows, gpuStream_t s) {
+size_t launch_cfg(AttnParams P, int64_t rows, gpuStream_t s) {
+  const size_t smem = P.fuse ? Fresh<C, KvT>::kOff + Fresh<C, KvT>::kBytes : C::kSmemBytes;
+  if (s == kDryRun) return smem;
   auto kern = attn_chunk_kernel<C, KvT>;
-  SPECD_GPU_CHECK(gpuFuncSetAttribute(kern, gpuFuncAttributeMaxDynamicSharedMemorySize, (int)C::kSmemBytes));
+  SPECD_GPU_CHECK(gpuFuncSetAttribute(kern, gpuFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   P.n_tiles = (int32_t)ceil_div(rows, C::RMAX);
+  P.fold = P.n_chunks > 1 && !fold_off() && combine_floats(P.n_chunks, P.hd) <= C::kMl;
   const int64_t items = (int64_t)P.n_chunks * P.n_kv * P.n_tiles;
   const int64_t grid = std::min<int64_t>(items, (int64_t)dev_limits().sms * C::MINB);
-  gpu_launch("attn_chunk_kernel", kern, dim3((unsigned)grid), dim3(kAttnThreads), C::kSmemBytes, s, P);
+  gpu_launch("attn_chunk_kernel", kern, dim3((unsigned)grid), dim3(kAttnThreads), smem, s, P);
+  if (P.n_chunks > 1 && !P.fold)
+    gpu_launch("attn_combine_kernel", attn_combine_kernel, dim3((unsigned)P.n_heads, (unsigned)P.nq),
+               dim3(kAttnThreads), sizeof(float) * (size_t)combine_floats(P.n_chunks, P.hd), s, P);
+  return smem;
 }
 
 // The first block shape that fits the device's shared memory: Dec (few rows: decode and
 // short verify; long sub-tiles), Big (sm_80+), Small (sm_75 and AMD: 64 KiB).
 template <class Dec, class Big, class Small, class KvT>
-void launch_hd(const AttnParams& P, int64_t rows, gpuStream_t s) {
+size_t launch_hd(const AttnParams& P, int64_t rows, gpuStream_t s) {
   const size_t smem = dev_limits().smem_per_block;
-  if (rows <= Dec::RMAX && Dec::kSmemBytes <= smem) launch_cfg<Dec, KvT>(P, rows, s);
-  else if (Big::kSmemBytes <= smem) launch_cfg<Big, KvT>(P, rows, s);
-  else launch_cfg<Small, KvT>(P, rows, s);
+  if (rows <= Dec::RMAX && Dec::kSmemBytes <= smem) return launch_cfg<Dec, KvT>(P, rows, s);
+  if (Big::kSmemBytes <= smem) return launch_cfg<Big, KvT>(P, rows, s);
+  return launch_cfg<Small, KvT>(P, rows, s);
 }
 
 // Float caches take shorter sub-tiles where the staging registers would not fit, and one
 // block per multiprocessor at head_dim 256.
-void launch_partial(const AttnParams& P, bool f16, int64_t rows, gpuStream_t s) {
+size_t launch_partial(const AttnParams& P, bool f16, int64_t rows, gpuStream_t s) {
   if (f16) {
-    if (P.hd <= 64) launch_hd<Cfg<64, 16, 128>, Cfg<64, 32, 64>, Cfg<64, 16, 64>, uint16_t>(P, rows, s);
-    else if (P.hd <= 128) launch_hd<Cfg<128, 8, 128>, Cfg<128, 32, 64>, Cfg<128, 16, 64>, uint16_t>(P, rows, s);
-    else launch_hd<Cfg<256, 8, 32>, Cfg<256, 16, 32>, Cfg<256, 8, 32>, uint16_t>(P, rows, s);
-  } else {
-    if (P.hd <= 64) launch_hd<Cfg<64, 16, 64>, Cfg<64, 32, 32>, Cfg<64, 16, 64>, float>(P, rows, s);
-    else if (P.hd <= 128) launch_hd<Cfg<128, 8, 32>, Cfg<128, 32, 32>, Cfg<128, 16, 32>, float>(P, rows, s);
-    else launch_hd<Cfg<256, 8, 32, 1>, Cfg<256, 16, 32, 1>, Cfg<256, 8, 32, 1>, float>(P, rows, s);
+    if (P.hd <= 64) return launch_hd<Cfg<64, 16, 128>, Cfg<64, 32, 64>, Cfg<64, 16, 64>, uint16_t>(P, rows, s);
+    if (P.hd <= 128) return launch_hd<Cfg<128, 8, 128>, Cfg<128, 32, 64>, Cfg<128, 16, 64>, uint16_t>(P, rows, s);
+    return launch_hd<Cfg<256, 8, 32>, Cfg<256, 16, 32>, Cfg<256, 8, 32>, uint16_t>(P, rows, s);
   }
+  if (P.hd <= 64) return launch_hd<Cfg<64, 16, 64>, Cfg<64, 32, 32>, Cfg<64, 16, 64>, float>(P, rows, s);
+  if (P.hd <= 128) return launch_hd<Cfg<128, 8, 32>, Cfg<128, 32, 32>, Cfg<128, 16, 32>, float>(P, rows, s);
+  return launch_hd<Cfg<256, 8, 32, 1>, Cfg<256, 16, 32, 1>, Cfg<256, 8, 32, 1>, float>(P, rows, s);
+}
+
+// The fused step's checks: `r` must describe this call's rows, positions, heads and caches.
+void check_rope(const AttnArgs& a, const RopeKvArgs& r) {
+  rope_kv_check(r);
+  const int64_t ld_q = a.ld_q ? a.ld_q : (int64_t)a.n_heads * a.head_dim;
+  if (r.qkv != a.q || r.ld_qkv != ld_q || r.n != a.n || r.d_pos0 != a.d_pos0 || r.n_heads != a.n_heads ||
+      r.n_kv_heads != a.n_kv_heads || r.head_dim != a.head_dim || r.k_cache != a.k_cache ||
+      r.v_cache != a.v_cache || r.kv_f16 != a.kv_f16 || r.n_ctx != a.n_ctx)
+    throw Error("attention: its rope_kv step must cover the same rows (q = qkv, ld_q = ld_qkv, n, d_pos0), "
+                "heads and caches as the attention");
 }
 
 }  // namespace
@@ -518,7 +695,7 @@ size_t attention_workspace_bytes(int64_t n, int64_t n_ctx, int32_t n_heads, int3
   const int64_t nc = n_chunks_of(n_ctx);
   if (nc <= 1) return 0;
   const int64_t nq = queries_per_launch(n, n_ctx, n_heads, head_dim);
-  return sizeof(float) * (size_t)(nq * n_heads * nc * (head_dim + 2));
+  return sizeof(float) * (size_t)(nq * n_heads * nc * (head_dim + 2)) + sizeof(int) * counter_count(nq, n_heads);
 }
 
 void attention(const AttnArgs& a, gpuStream_t s) {
@@ -536,23 +713,23 @@ void attention(const AttnArgs& a, gpuStream_t s) {
   if (a.n == 0) return;
   if (!a.q || !a.k_cache || !a.v_cache || !a.out || !a.d_pos0)
     throw Error(at + "q, k_cache, v_cache, out and d_pos0 must be device pointers, got a null one");
-  if (attention_prefill_tc(a, s)) return;  // prefills on tensor cores where they can
+  if (a.ld_q != 0 && (a.ld_q < (int64_t)a.n_heads * a.head_dim || a.ld_q % 4 != 0))
+    throw Error(at + "ld_q (" + std::to_string(a.ld_q) + ") must be 0 or a multiple of 4 >= n_heads*head_dim");
+  if (a.rope) check_rope(a, *a.rope);
   const int64_t nc = n_chunks_of(a.n_ctx);
-  if (nc > 1 && !a.work)
-    throw Error(at + "a workspace of attention_workspace_bytes(...) = " +
-                std::to_string(attention_workspace_bytes(a.n, a.n_ctx, a.n_heads, a.head_dim)) +
-                " bytes is needed (n_ctx > " + std::to_string(kChunk) + ")");
   const int32_t group = a.n_heads / a.n_kv_heads;
   const int64_t nq = queries_per_launch(a.n, a.n_ctx, a.n_heads, a.head_dim);
   if (a.n_kv_heads > 65535) throw Error(at + "n_kv_heads must be <= 65535");
 
   AttnParams P{};
   P.q = a.q;
+  P.ld_q = a.ld_q ? a.ld_q : (int64_t)a.n_heads * a.head_dim;
   P.k = a.k_cache;
   P.v = a.v_cache;
   P.out = a.out;
   P.work_o = static_cast<float*>(a.work);
   P.work_ml = P.work_o ? P.work_o + (size_t)nq * a.n_heads * nc * a.head_dim : nullptr;
+  P.counters = P.work_ml ? reinterpret_cast<int*>(P.work_ml + (size_t)nq * a.n_heads * nc * 2) : nullptr;
   P.d_pos0 = a.d_pos0;
   P.n_ctx = (int32_t)a.n_ctx;
   P.n_heads = a.n_heads;
@@ -561,17 +738,32 @@ void attention(const AttnArgs& a, gpuStream_t s) {
   P.hd = a.head_dim;
   P.n_chunks = (int32_t)nc;
   P.scale = a.scale;
+  // The fused step: one launch of at most kAttnMaxFusedRows queries whose block shape has the
+  // shared memory for the new rows (SPECD_GPU_FUSE_ROPE=0: never, for benchmarks).
+  static const bool fuse_off = env_value("SPECD_GPU_FUSE_ROPE") == "0";
+  if (a.rope && !fuse_off && a.n <= kAttnMaxFusedRows && nq == a.n) {
+    const RopeKvArgs& r = *a.rope;
+    P.fuse = 1;
+    P.rs = RopeShape{r.head_dim, r.rope.n_dims, r.rope.mode == RopeMode::Neox, r.eps};
+    P.q_norm = r.q_norm;
+    P.k_norm = r.k_norm;
+    P.factors = r.rope.freq_factors;
+    P.kw = a.k_cache;
+    P.vw = a.v_cache;
+    rope_base_freq(r.rope, P.base_freq);
+    if (launch_partial(P, a.kv_f16, a.n * group, kDryRun) > dev_limits().smem_per_block) P.fuse = 0;
+  }
+  if (a.rope && !P.fuse) rope_kv(*a.rope, s);
+  if (attention_prefill_tc(a, s)) return;  // prefills on tensor cores where they can
+  if (nc > 1 && !a.work)
+    throw Error(at + "a workspace of attention_workspace_bytes(...) = " +
+                std::to_string(attention_workspace_bytes(a.n, a.n_ctx, a.n_heads, a.head_dim)) +
+                " bytes is needed (n_ctx > " + std::to_string(kChunk) + ")");
   for (int64_t r0 = 0; r0 < a.n; r0 += nq) {
     P.r0 = (int32_t)r0;
     P.nq = (int32_t)std::min<int64_t>(nq, a.n - r0);
     const int64_t rows = (int64_t)P.nq * group;
     launch_partial(P, a.kv_f16, rows, s);
-    if (nc > 1) {
-      const int K = kAttnThreads / (a.head_dim / 4);
-      const size_t smem = sizeof(float) * (size_t)(((nc + 3) & ~3) + K * (a.head_dim + 1));
-      gpu_launch("attn_combine_kernel", attn_combine_kernel, dim3((unsigned)a.n_heads, (unsigned)P.nq),
-                 dim3(kAttnThreads), smem, s, P);
-    }
   }
 }
 
@@ -590,6 +782,7 @@ void attention(const float* q, const void* k_cache, const void* v_cache, bool kv
   const size_t cache_bytes = (kv_f16 ? 2 : 4) * (size_t)(n_ctx * n_kv_heads * head_dim);
   DeviceBuffer dq(q_bytes), dk(cache_bytes), dv(cache_bytes), dout(q_bytes), dpos(sizeof(int32_t));
   DeviceBuffer work(attention_workspace_bytes(n, n_ctx, n_heads, head_dim));
+  if (work.size()) SPECD_GPU_CHECK(gpuMemset(work.get(), 0, work.size()));
   to_device(dq.get(), q, q_bytes);
   to_device(dk.get(), k_cache, cache_bytes);
   to_device(dv.get(), v_cache, cache_bytes);
@@ -609,8 +802,74 @@ void attention(const float* q, const void* k_cache, const void* v_cache, bool kv
   a.out = dout.get<float>();
   a.work = work.get();
   gpu::attention(a, nullptr);
+  SPECD_GPU_CHECK(gpuMemset(dout.get(), 0xff, q_bytes));  // NaN: the second run must write every output
+  gpu::attention(a, nullptr);  // on the same workspace: the fold's counters must be back at 0
   SPECD_GPU_CHECK(gpuDeviceSynchronize());
   to_host(out, dout.get(), q_bytes);
+}
+
+void rope_attention(const float* qkv, int64_t ld_qkv, int64_t n, int32_t pos0, int32_t n_heads, int32_t n_kv_heads,
+                    int32_t head_dim, const float* q_norm, const float* k_norm, float eps, const RopeParams& rope,
+                    void* k_cache, void* v_cache, bool kv_f16, int64_t n_ctx, float scale, float* out) {
+  if (pos0 < 0 || n < 0 || pos0 + n > n_ctx)
+    throw Error("rope_attention: positions " + std::to_string(pos0) + ".." + std::to_string(pos0 + n) +
+                " do not fit the cache's " + std::to_string(n_ctx) + " rows");
+  if (n_heads <= 0 || n_kv_heads <= 0 || head_dim <= 0 || ld_qkv < (int64_t)(n_heads + 2 * n_kv_heads) * head_dim)
+    throw Error("rope_attention: n_heads, n_kv_heads and head_dim must be > 0 and ld_qkv hold a row of q|k|v");
+  const size_t qkv_bytes = sizeof(float) * (size_t)(n * ld_qkv);
+  const size_t out_bytes = sizeof(float) * (size_t)(n * n_heads * head_dim);
+  const size_t cache_bytes = (kv_f16 ? 2 : 4) * (size_t)(n_ctx * n_kv_heads * head_dim);
+  DeviceBuffer dqkv(qkv_bytes), dk(cache_bytes), dv(cache_bytes), dout(out_bytes), dpos(sizeof(int32_t));
+  DeviceBuffer work(attention_workspace_bytes(n, n_ctx, n_heads, head_dim)), dqn, dkn, dff;
+  if (work.size()) SPECD_GPU_CHECK(gpuMemset(work.get(), 0, work.size()));
+  to_device(dqkv.get(), qkv, qkv_bytes);
+  to_device(dk.get(), k_cache, cache_bytes);
+  to_device(dv.get(), v_cache, cache_bytes);
+  to_device(dpos.get(), &pos0, sizeof(int32_t));
+  auto upload = [](DeviceBuffer& d, const float* h, int64_t count) -> const float* {
+    if (!h || count <= 0) return nullptr;
+    d.resize(sizeof(float) * (size_t)count);
+    to_device(d.get(), h, sizeof(float) * (size_t)count);
+    return d.get<float>();
+  };
+  RopeKvArgs r;
+  r.qkv = dqkv.get<float>();
+  r.ld_qkv = ld_qkv;
+  r.n = n;
+  r.d_pos0 = dpos.get<int32_t>();
+  r.n_heads = n_heads;
+  r.n_kv_heads = n_kv_heads;
+  r.head_dim = head_dim;
+  r.q_norm = upload(dqn, q_norm, head_dim);
+  r.k_norm = upload(dkn, k_norm, head_dim);
+  r.eps = eps;
+  r.rope = rope;
+  r.rope.freq_factors = upload(dff, rope.freq_factors, rope.n_dims / 2);
+  r.k_cache = dk.get();
+  r.v_cache = dv.get();
+  r.kv_f16 = kv_f16;
+  r.n_ctx = n_ctx;
+  AttnArgs a;
+  a.q = r.qkv;
+  a.ld_q = ld_qkv;
+  a.k_cache = r.k_cache;
+  a.v_cache = r.v_cache;
+  a.kv_f16 = kv_f16;
+  a.n_ctx = n_ctx;
+  a.n = n;
+  a.d_pos0 = r.d_pos0;
+  a.n_heads = n_heads;
+  a.n_kv_heads = n_kv_heads;
+  a.head_dim = head_dim;
+  a.scale = scale;
+  a.out = dout.get<float>();
+  a.work = work.get();
+  a.rope = &r;
+  gpu::attention(a, nullptr);
+  SPECD_GPU_CHECK(gpuDeviceSynchronize());
+  to_host(out, dout.get(), out_bytes);
+  to_host(k_cache, dk.get(), cache_bytes);
+  to_host(v_cache, dv.get(), cache_bytes);
 }
 
 }  // namespace testing

@@ -18,16 +18,22 @@
 #include <cstdint>
 
 #include "cuda/common.cuh"
+#include "cuda/rope_kv.cuh"
 
 namespace specd {
 namespace gpu {
 
 constexpr int64_t kAttnChunk = 256;
+// Calls of at most this many queries take rope_kv's step inside the attention kernel (below):
+// decode. (Measured on the H200, 20261201: fused 16-row verifies were 5-15 % slower, the block's
+// eight warps norming and roping up to 96 heads one after another.)
+constexpr int64_t kAttnMaxFusedRows = 1;
 
 struct AttnArgs {
-  const float* q = nullptr;         // device [n, n_heads, hd]
-  const void* k_cache = nullptr;    // device [n_ctx, n_kv_heads*hd], fp16 bits or float
-  const void* v_cache = nullptr;
+  const float* q = nullptr;         // device: query r's heads at q + r*ld_q, [n_heads, hd]
+  int64_t ld_q = 0;                 // floats between query rows (0: n_heads*hd)
+  void* k_cache = nullptr;          // device [n_ctx, n_kv_heads*hd], fp16 bits or float
+  void* v_cache = nullptr;          // (written only with `rope`)
   bool kv_f16 = true;
   int64_t n_ctx = 0;
   int64_t n = 0;
@@ -35,7 +41,17 @@ struct AttnArgs {
   int32_t n_heads = 0, n_kv_heads = 0, head_dim = 0;  // head_dim <= 256
   float scale = 1.f;
   float* out = nullptr;             // device [n, n_heads*hd]
-  void* work = nullptr;             // device scratch of attention_workspace_bytes(...) bytes
+  void* work = nullptr;             // device scratch of attention_workspace_bytes(...) bytes,
+                                    // zeroed once when allocated (its counters come back to 0)
+  // Set: rope_kv(*rope) comes first, as part of this call (q = rope->qkv, ld_q = rope->ld_qkv,
+  // the same rows, positions, heads and caches). With at most kAttnMaxFusedRows queries
+  // (decode) it runs inside the attention kernel, saving a launch: each block tables the
+  // position's angles before waiting for the QKV product, norms and ropes the q heads it stages
+  // and the new K/V row of its chunk with rope_kv's own device code (rope_head), substitutes
+  // that row for the cache's, and the block whose tile holds a query's first head writes its
+  // K/V row to the cache. Bits equal rope_kv then attention. Otherwise (or where shared memory
+  // is short) rope_kv's kernel runs first.
+  const RopeKvArgs* rope = nullptr;
 };
 
 // Scratch needed for these sizes (0 allowed for none).

@@ -42,7 +42,8 @@ struct FlashShape {
 };
 
 struct FlashParams {
-  const float* q;            // [n, n_heads * hd]
+  const float* q;            // query r at q + r * ld_q: [n_heads * hd]
+  int64_t ld_q;
   const __half* k;           // [n_ctx, n_kv * hd]
   const __half* v;
   float* out;                // [n, n_heads * hd]
@@ -88,7 +89,7 @@ __global__ void __launch_bounds__(kFlashThreads) flash_prefill_kernel(const Flas
   const int r_lo = q0 + warp * 16 + g, r_hi = r_lo + 8;
   uint32_t qf[KS][4];
   {
-    const size_t ldq = (size_t)P.n_heads * HD;
+    const size_t ldq = (size_t)P.ld_q;
     const float* qlo = P.q + (size_t)r_lo * ldq + (size_t)h * HD;
     const float* qhi = P.q + (size_t)r_hi * ldq + (size_t)h * HD;
 #pragma unroll
@@ -254,6 +255,7 @@ bool attention_prefill_tc(const AttnArgs& a, gpuStream_t s) {
   SPECD_CHECK(a.n < (int64_t)1 << 31, "attention: too many queries");  // (n_ctx: checked by attention())
   FlashParams p;
   p.q = a.q;
+  p.ld_q = a.ld_q ? a.ld_q : (int64_t)a.n_heads * a.head_dim;
   p.k = static_cast<const __half*>(a.k_cache);
   p.v = static_cast<const __half*>(a.v_cache);
   p.out = a.out;

@@ -2,10 +2,12 @@
 // model/model.h), sequencing the ops of cuda/*.cuh on one stream.
 //
 // Small forwards (n <= kMaxSmallBatch: decode and speculative verify) run the batch-
-// invariant float32 path with fused launches, six per layer:
+// invariant float32 path with fused launches, five per layer in decode:
 //   qkv  = linear([Wq|Wk|Wv], rmsnorm(h))        (norm fused into the matrix-vector kernel)
-//   rope_kv(qkv) -> q roped in place, K/V rows into this sequence's cache
-//   att  = attention(q, cache)                    (fixed chunks: batch-invariant)
+//   att  = attention(rope_kv(qkv), cache)        (per-head norm, RoPE and the K/V row into this
+//                                                 sequence's cache fused in for one row, else
+//                                                 rope_kv's own launch; fixed chunks:
+//                                                 batch-invariant)
 //   h   += linear(Wo, att)                        (residual add fused)
 //   act  = silu(Wgate f) * (Wup f), f = rmsnorm(h) (norm and SwiGLU fused)
 //   h   += linear(Wdown, act)
@@ -261,7 +263,7 @@ class GpuModel final : public ForwardModel {
   }
 
   size_t scratch_bytes() const {
-    return h_.size() + xn_.size() + qkv_.size() + q_.size() + att_.size() + act_.size() + work_.size() + lin_work_.size() +
+    return h_.size() + xn_.size() + qkv_.size() + att_.size() + act_.size() + work_.size() + lin_work_.size() +
            big_logits_.size() + inputs_.size() + tops_.size() + argmax_work_.size();
   }
 
@@ -303,7 +305,6 @@ class GpuModel final : public ForwardModel {
     grow(h_, sizeof(float) * (size_t)(n * c.dim));
     grow(xn_, sizeof(float) * (size_t)(n * std::max<int64_t>(c.dim, q_dim)));
     grow(qkv_, sizeof(float) * (size_t)(n * qkv_ld));
-    grow(q_, sizeof(float) * (size_t)(n * q_dim));
     grow(att_, sizeof(float) * (size_t)(n * q_dim));
     grow(act_, sizeof(float) * (size_t)(n * c.ffn_dim));
     grow(inputs_, sizeof(int32_t) * (size_t)(kTok0 + n));  // position, then the tokens
@@ -312,7 +313,10 @@ class GpuModel final : public ForwardModel {
       grow(argmax_work_, gpu::argmax_workspace_bytes(n, c.n_vocab));
       SPECD_GPU_CHECK(gpuMemsetAsync(argmax_work_.get(), 0, argmax_work_.size(), stream_));  // counters at 0
     }
-    grow(work_, gpu::attention_workspace_bytes(n, n_ctx, c.n_heads, c.head_dim));
+    if (gpu::attention_workspace_bytes(n, n_ctx, c.n_heads, c.head_dim) > work_.size()) {
+      grow(work_, gpu::attention_workspace_bytes(n, n_ctx, c.n_heads, c.head_dim));
+      SPECD_GPU_CHECK(gpuMemsetAsync(work_.get(), 0, work_.size(), stream_));  // the fold's counters at 0
+    }
     grow(lin_work_, linear_work_bytes(n));
     staging_.reserve(n);
   }
@@ -394,7 +398,7 @@ class GpuModel final : public ForwardModel {
     const float eps = c.norm_eps;
     gpuStream_t s = stream_;
     float *h = h_.get<float>(), *xn = xn_.get<float>(), *qkv = qkv_.get<float>(), *att = att_.get<float>();
-    float *act = act_.get<float>(), *q = q_.get<float>();
+    float* act = act_.get<float>();
     const int32_t* d_pos = inputs_.get<int32_t>();  // [0]: pos0; tokens from kTok0
 
     // The arguments every product of this forward shares: this model's reader choice, the
@@ -461,15 +465,10 @@ class GpuModel final : public ForwardModel {
       r.v_cache = kv.v(l);
       r.kv_f16 = kv.f16();
       r.n_ctx = kv.n_ctx();
-      gpu::rope_kv(r, s);
-
-      const float* qrows = qkv;  // one row: q is the row's first q_dim floats
-      if (n > 1) {
-        SPECD_GPU_CHECK(cudaMemcpy2DAsync_compat(q, q_dim, qkv, qkv_ld, q_dim, n, s));
-        qrows = q;
-      }
-      gpu::AttnArgs at;
-      at.q = qrows;
+      gpu::AttnArgs at;  // rope_kv(r) then attention; one kernel for decode / verify
+      at.rope = &r;
+      at.q = qkv;
+      at.ld_q = qkv_ld;
       at.k_cache = kv.k(l);
       at.v_cache = kv.v(l);
       at.kv_f16 = kv.f16();
@@ -541,7 +540,7 @@ class GpuModel final : public ForwardModel {
   RopeParams rope_;
   std::vector<GpuLayer> layers_;
   // scratch (grown on demand; forward() is not re-entrant: the engine serialises calls)
-  mutable DeviceBuffer h_, xn_, qkv_, q_, att_, act_, work_, lin_work_, big_logits_, inputs_, tops_, argmax_work_;
+  mutable DeviceBuffer h_, xn_, qkv_, att_, act_, work_, lin_work_, big_logits_, inputs_, tops_, argmax_work_;
   mutable Staging staging_;
   mutable uint64_t epoch_ = 1;
 };

@@ -32,10 +32,6 @@ namespace {
 
 constexpr int kRopeThreads = 256;
 constexpr int kHeadsPerBlock = kRopeThreads / kGroup;  // one head per group of 32 lanes
-constexpr int kRopeMaxHeadDim = 256;
-constexpr int kMaxPairs = kRopeMaxHeadDim / 2;
-constexpr int kPairsPerLane = kMaxPairs / kGroup;      // 4
-constexpr int kPassPerLane = kRopeMaxHeadDim / kGroup;  // 8 (pass-through dims, n_dims >= 2)
 
 struct RopeKvParams {
   float* qkv;
@@ -51,7 +47,7 @@ struct RopeKvParams {
   void* v_cache;
   bool f16;
   int64_t n_ctx;
-  double base_freq[kMaxPairs];  // freq_scale * base^(-2i/n_dims), host-computed as cpu/rope.cpp
+  double base_freq[kRopeMaxPairs];  // freq_scale * base^(-2i/n_dims), host-computed as cpu/rope.cpp
 };
 
 __device__ __forceinline__ void store_kv(void* cache, bool f16, int64_t idx, float v) {
@@ -65,21 +61,15 @@ __global__ void __launch_bounds__(kRopeThreads) rope_kv_kernel(const RopeKvParam
   // The position and its cos / sin table come before gpu_grid_wait() (programmatic dependent
   // launch, vendor.cuh), overlapping the end of the QKV product: d_pos0 is a forward input,
   // written before its first kernel, never by the kernel this one follows.
-  __shared__ double cs[2 * kMaxPairs];  // [half, (cos, sin)] of this row's position
+  __shared__ double cs[2 * kRopeMaxPairs];  // [half, (cos, sin)] of this row's position
   const int64_t r = blockIdx.y;
   const int64_t pos = (int64_t)*P.d_pos0 + r;
   const int half = P.n_dims / 2, hd = P.hd;
   const int head0 = blockIdx.x * kHeadsPerBlock;
   const int n_roped = P.n_heads + P.n_kv;  // q and k heads
   if (head0 < n_roped) {
-    for (int i = threadIdx.x; i < half; i += kRopeThreads) {
-      const double factor = P.factors ? (double)P.factors[i] : 1.0;
-      const double th = (double)pos * (P.base_freq[i] / factor);
-      double s, c;
-      sincos(th, &s, &c);
-      cs[2 * i] = c;
-      cs[2 * i + 1] = s;
-    }
+    for (int i = threadIdx.x; i < half; i += kRopeThreads)
+      rope_angle(P.base_freq, P.factors, pos, i, cs[2 * i], cs[2 * i + 1]);
   }
   gpu_grid_wait();
   gpu_grid_launch_dependents();
@@ -99,73 +89,19 @@ __global__ void __launch_bounds__(kRopeThreads) rope_kv_kernel(const RopeKvParam
     return;
   }
 
-  float* x = row + (int64_t)head * hd;
   const bool is_q = head < P.n_heads;
-  // Element indices of pair i: Normal (2i, 2i+1), Neox (i, i + half).
-  const int stride_i = P.neox ? 1 : 2, partner = P.neox ? half : 1;
-  float a[kPairsPerLane], b[kPairsPerLane], t[kPassPerLane];
-#pragma unroll
-  for (int j = 0; j < kPairsPerLane; ++j) {
-    const int i = lane + kGroup * j;
-    a[j] = i < half ? x[i * stride_i] : 0.f;
-    b[j] = i < half ? x[i * stride_i + partner] : 0.f;
-  }
-#pragma unroll
-  for (int j = 0; j < kPassPerLane; ++j) {
-    const int d = P.n_dims + lane + kGroup * j;
-    t[j] = d < hd ? x[d] : 0.f;
-  }
-
-  const float* nw = is_q ? P.q_norm : P.k_norm;
-  if (nw) {  // per-head RMSNorm before RoPE (qwen3)
-    double ss = 0.0;
-#pragma unroll
-    for (int j = 0; j < kPairsPerLane; ++j) ss = fma((double)a[j], (double)a[j], fma((double)b[j], (double)b[j], ss));
-#pragma unroll
-    for (int j = 0; j < kPassPerLane; ++j) ss = fma((double)t[j], (double)t[j], ss);
-    ss = group_sum(ss);
-    const float inv = (float)(1.0 / sqrt(ss / (double)hd + (double)P.eps));
-#pragma unroll
-    for (int j = 0; j < kPairsPerLane; ++j) {
-      const int i = lane + kGroup * j;
-      if (i < half) {
-        a[j] = a[j] * inv * nw[i * stride_i];
-        b[j] = b[j] * inv * nw[i * stride_i + partner];
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < kPassPerLane; ++j) {
-      const int d = P.n_dims + lane + kGroup * j;
-      if (d < hd) t[j] = t[j] * inv * nw[d];
-    }
-  }
-
-  // Rotation in double without fused multiply-adds (as the CPU's), rounded once.
   if (!is_q && !cache_ok) return;
-  const int64_t kbase = pos * kvd + (int64_t)(head - P.n_heads) * hd;
-#pragma unroll
-  for (int j = 0; j < kPairsPerLane; ++j) {
-    const int i = lane + kGroup * j;
-    if (i < half) {
-      const double da = a[j], db = b[j], c = cs[2 * i], s = cs[2 * i + 1];
-      const float ra = (float)__dsub_rn(__dmul_rn(da, c), __dmul_rn(db, s));
-      const float rb = (float)__dadd_rn(__dmul_rn(da, s), __dmul_rn(db, c));
-      if (is_q) {
-        x[i * stride_i] = ra;
-        x[i * stride_i + partner] = rb;
-      } else {
-        store_kv(P.k_cache, P.f16, kbase + i * stride_i, ra);
-        store_kv(P.k_cache, P.f16, kbase + i * stride_i + partner, rb);
-      }
-    }
-  }
-#pragma unroll
-  for (int j = 0; j < kPassPerLane; ++j) {
-    const int d = P.n_dims + lane + kGroup * j;
-    if (d < hd) {
-      if (is_q) x[d] = t[j];
-      else store_kv(P.k_cache, P.f16, kbase + d, t[j]);
-    }
+  const RopeShape R{hd, P.n_dims, P.neox, P.eps};
+  auto table = [&](int i, double& c, double& s) {
+    c = cs[2 * i];
+    s = cs[2 * i + 1];
+  };
+  float* x = row + (int64_t)head * hd;
+  if (is_q) {
+    rope_head(R, x, P.q_norm, lane, table, [&](int d, float v) { x[d] = v; });
+  } else {
+    const int64_t kbase = pos * kvd + (int64_t)(head - P.n_heads) * hd;
+    rope_head(R, x, P.k_norm, lane, table, [&](int d, float v) { store_kv(P.k_cache, P.f16, kbase + d, v); });
   }
 }
 
@@ -173,7 +109,12 @@ __global__ void __launch_bounds__(kRopeThreads) rope_kv_kernel(const RopeKvParam
 
 // ---- launcher
 
-void rope_kv(const RopeKvArgs& a, gpuStream_t s) {
+void rope_base_freq(const RopeParams& p, double* out) {
+  const double log_base = std::log((double)p.freq_base);
+  for (int i = 0; i < p.n_dims / 2; ++i) out[i] = (double)p.freq_scale * std::exp(-(double)(2 * i) / p.n_dims * log_base);
+}
+
+void rope_kv_check(const RopeKvArgs& a) {
   const RopeParams& p = a.rope;
   const std::string at = "rope_kv: ";
   if (a.n < 0) throw Error(at + "n must be >= 0, got " + std::to_string(a.n));
@@ -200,9 +141,14 @@ void rope_kv(const RopeKvArgs& a, gpuStream_t s) {
     throw Error(at + "q_norm and k_norm must be given together (qwen3) or not at all");
   if (!(a.eps >= 0.f)) throw Error(at + "eps must be >= 0, got " + std::to_string(a.eps));
   if (a.n_ctx <= 0) throw Error(at + "n_ctx must be > 0, got " + std::to_string(a.n_ctx));
-  if (a.n == 0) return;
-  if (!a.qkv || !a.d_pos0 || !a.k_cache || !a.v_cache)
+  if (a.n > 0 && (!a.qkv || !a.d_pos0 || !a.k_cache || !a.v_cache))
     throw Error(at + "qkv, d_pos0, k_cache and v_cache must be device pointers, got a null one");
+}
+
+void rope_kv(const RopeKvArgs& a, gpuStream_t s) {
+  rope_kv_check(a);
+  if (a.n == 0) return;
+  const RopeParams& p = a.rope;
 
   RopeKvParams P{};
   P.qkv = a.qkv;
@@ -221,10 +167,7 @@ void rope_kv(const RopeKvArgs& a, gpuStream_t s) {
   P.v_cache = a.v_cache;
   P.f16 = a.kv_f16;
   P.n_ctx = a.n_ctx;
-  // The CPU's expression (cpu/rope.cpp), same libm: identical doubles.
-  const double log_base = std::log((double)p.freq_base);
-  for (int i = 0; i < p.n_dims / 2; ++i)
-    P.base_freq[i] = (double)p.freq_scale * std::exp(-(double)(2 * i) / p.n_dims * log_base);
+  rope_base_freq(p, P.base_freq);
 
   const int heads = a.n_heads + 2 * a.n_kv_heads;
   const dim3 grid((unsigned)ceil_div(heads, kHeadsPerBlock), (unsigned)a.n);

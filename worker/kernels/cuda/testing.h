@@ -36,8 +36,17 @@ void rope_kv(float* qkv, int64_t ld_qkv, int64_t n, int32_t pos0, int32_t n_head
              void* k_cache, void* v_cache, bool kv_f16, int64_t n_ctx);
 
 // cuda/attention.cuh. q [n, n_heads*hd]; caches as in rope_kv (input only); out [n, n_heads*hd].
+// Runs the op twice on one workspace and returns the second output (its counters must be back
+// at 0 after every call).
 void attention(const float* q, const void* k_cache, const void* v_cache, bool kv_f16, int64_t n_ctx, int64_t n,
                int32_t pos0, int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, float scale, float* out);
+
+// cuda/attention.cuh with its rope_kv step (AttnArgs::rope): qkv [n, ld_qkv] raw rows (input
+// only), the rest as rope_kv, then out [n, n_heads*hd]. Fused inside the attention kernel for
+// n <= kAttnMaxFusedRows (decode; unless SPECD_GPU_FUSE_ROPE=0), else rope_kv's kernel first.
+void rope_attention(const float* qkv, int64_t ld_qkv, int64_t n, int32_t pos0, int32_t n_heads, int32_t n_kv_heads,
+                    int32_t head_dim, const float* q_norm, const float* k_norm, float eps, const RopeParams& rope,
+                    void* k_cache, void* v_cache, bool kv_f16, int64_t n_ctx, float scale, float* out);
 
 // cuda/sample.cuh
 void argmax_rows(const float* logits, int64_t n, int64_t nv, int32_t* out);

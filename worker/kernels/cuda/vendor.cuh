@@ -191,6 +191,18 @@ __device__ __forceinline__ T gpu_shfl_xor(T v, int mask) {
 #endif
 }
 
+// A load of data other blocks of the running kernel wrote, after __threadfence(): through L2,
+// past this multiprocessor's (incoherent) L1 on NVIDIA; on AMD the fence's acquire side
+// already invalidates the vector L1, so a plain load.
+template <class T>
+__device__ __forceinline__ T gpu_load_l2(const T* p) {
+#if SPECD_HIP
+  return *p;
+#else
+  return __ldcg(p);
+#endif
+}
+
 // c + the dot product of the four bytes of a and of b (int8 when the flag says signed, else
 // uint8): dp4a on NVIDIA sm_61+; plain integer arithmetic elsewhere (the same exact sum).
 template <bool kASigned, bool kBSigned>
