@@ -73,6 +73,18 @@ def rope_inputs(rng, n, nh, nkv, hd, pad, pos0, n_ctx, f16):
     return qkv, kc, vc
 
 
+def rope_params(rng, mode, hd, n_dims, base, scale, with_factors, qk_norm):
+    """A ROPE_CASES row's RoPE settings (fresh llama3-style factors) and qwen3 q/k norm weights."""
+    rope = {"n_dims": n_dims, "freq_base": base, "freq_scale": scale, "mode": mode}
+    if with_factors:
+        rope["freq_factors"] = rng.uniform(1.0, 32.0, n_dims // 2).astype(np.float32)
+    q_norm = k_norm = None
+    if qk_norm:
+        q_norm = rng.uniform(0.5, 2.0, hd).astype(np.float32)
+        k_norm = rng.uniform(0.5, 2.0, hd).astype(np.float32)
+    return rope, q_norm, k_norm
+
+
 def rope_reference(qkv, pos0, nh, nkv, hd, q_norm, k_norm, eps, rope):
     """model.cpp's order with the CPU ops: per-head RMSNorm (qwen3), then RoPE."""
     n = qkv.shape[0]
@@ -118,13 +130,7 @@ ROPE_CASES = [
 def test_rope_kv(rng, mode, nh, nkv, hd, n_dims, base, scale, with_factors, qk_norm, n, pos0):
     n_ctx = pos0 + n + 3
     qkv, kc, vc = rope_inputs(rng, n, nh, nkv, hd, 5, pos0, n_ctx, f16=False)
-    rope = {"n_dims": n_dims, "freq_base": base, "freq_scale": scale, "mode": mode}
-    if with_factors:
-        rope["freq_factors"] = rng.uniform(1.0, 32.0, n_dims // 2).astype(np.float32)
-    q_norm = k_norm = None
-    if qk_norm:
-        q_norm = rng.uniform(0.5, 2.0, hd).astype(np.float32)
-        k_norm = rng.uniform(0.5, 2.0, hd).astype(np.float32)
+    rope, q_norm, k_norm = rope_params(rng, mode, hd, n_dims, base, scale, with_factors, qk_norm)
     eps = 1e-6
     rq, rk, rv = rope_reference(qkv, pos0, nh, nkv, hd, q_norm, k_norm, eps, rope)
     rows = slice(pos0, pos0 + n)
@@ -510,13 +516,7 @@ def test_rope_attention_equals_rope_kv_then_attention(rng, dtype, mode, nh, nkv,
     qkv, kc, vc = rope_inputs(rng, n, nh, nkv, hd, 4, pos0, n_ctx, f16=dtype is np.float16)
     kc[pos0:] = np.nan
     vc[pos0:] = np.nan
-    rope = {"n_dims": n_dims, "freq_base": base, "freq_scale": scale, "mode": mode}
-    if with_factors:
-        rope["freq_factors"] = rng.uniform(1.0, 32.0, n_dims // 2).astype(np.float32)
-    q_norm = k_norm = None
-    if qk_norm:
-        q_norm = rng.uniform(0.5, 2.0, hd).astype(np.float32)
-        k_norm = rng.uniform(0.5, 2.0, hd).astype(np.float32)
+    rope, q_norm, k_norm = rope_params(rng, mode, hd, n_dims, base, scale, with_factors, qk_norm)
     att_scale = 1.0 / np.sqrt(hd)
     roped, k2, v2 = gpu().rope_kv(qkv, pos0, nh, nkv, hd, q_norm, k_norm, 1e-6, rope, kc, vc)
     want = gpu().attention(np.ascontiguousarray(roped[:, : nh * hd]), k2, v2, pos0, nh, nkv, hd, att_scale)

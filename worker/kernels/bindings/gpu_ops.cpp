@@ -77,6 +77,34 @@ RopeParams rope_of(const py::dict& d, std::vector<f32_array>& keep) {
   return p;
 }
 
+// Both caches of a layer, copied (the ops write them) and checked: one type, same shape.
+struct Caches {
+  py::array k, v;
+  bool f16 = false;
+};
+Caches caches_copy(const py::array& k_cache, const py::array& v_cache, int32_t n_kv_heads, int32_t head_dim) {
+  Caches c;
+  bool f16v;
+  c.k = cache_copy(k_cache, c.f16);
+  c.v = cache_copy(v_cache, f16v);
+  if (c.f16 != f16v) throw Error("k and v caches must have the same type");
+  check_cache(c.k, c.v, n_kv_heads, head_dim);
+  return c;
+}
+
+// rope_kv's per-layer parameters; they point into arrays held by `keep`.
+struct RopeInputs {
+  const float* q_norm;
+  const float* k_norm;
+  RopeParams rope;
+};
+RopeInputs rope_inputs(const py::object& q_norm, const py::object& k_norm, const py::dict& rope, int32_t head_dim,
+                       std::vector<f32_array>& keep) {
+  const float* qn = opt_f32(q_norm, keep, head_dim, "q_norm");
+  const float* kn = opt_f32(k_norm, keep, head_dim, "k_norm");
+  return {qn, kn, rope_of(rope, keep)};
+}
+
 }  // namespace
 
 void register_gpu_ops(py::module_& m) {
@@ -139,16 +167,11 @@ void register_gpu_ops(py::module_& m) {
         if (qkv.ndim() != 2) throw Error("qkv must be [n, ld]");
         py::array_t<float> q({qkv.shape(0), qkv.shape(1)});
         std::memcpy(q.mutable_data(), qkv.data(), sizeof(float) * (size_t)qkv.size());
-        const float* qn = opt_f32(q_norm, keep, head_dim, "q_norm");
-        const float* kn = opt_f32(k_norm, keep, head_dim, "k_norm");
-        RopeParams p = rope_of(rope, keep);
-        bool f16k, f16v;
-        py::array kc = cache_copy(k_cache, f16k), vc = cache_copy(v_cache, f16v);
-        if (f16k != f16v) throw Error("k and v caches must have the same type");
-        check_cache(kc, vc, n_kv_heads, head_dim);
-        T::rope_kv(q.mutable_data(), qkv.shape(1), qkv.shape(0), pos0, n_heads, n_kv_heads, head_dim, qn, kn, eps, p,
-                   kc.mutable_data(), vc.mutable_data(), f16k, kc.shape(0));
-        return py::make_tuple(q, kc, vc);
+        const RopeInputs r = rope_inputs(q_norm, k_norm, rope, head_dim, keep);
+        Caches c = caches_copy(k_cache, v_cache, n_kv_heads, head_dim);
+        T::rope_kv(q.mutable_data(), qkv.shape(1), qkv.shape(0), pos0, n_heads, n_kv_heads, head_dim, r.q_norm,
+                   r.k_norm, eps, r.rope, c.k.mutable_data(), c.v.mutable_data(), c.f16, c.k.shape(0));
+        return py::make_tuple(q, c.k, c.v);
       },
       py::arg("qkv"), py::arg("pos0"), py::arg("n_heads"), py::arg("n_kv_heads"), py::arg("head_dim"),
       py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(), py::arg("eps") = 0.f, py::arg("rope"),
@@ -157,16 +180,13 @@ void register_gpu_ops(py::module_& m) {
       "attention",
       [](const f32_array& q, const py::array& k_cache, const py::array& v_cache, int32_t pos0, int32_t n_heads,
          int32_t n_kv_heads, int32_t head_dim, float scale) {
-        bool f16k, f16v;
-        py::array kc = cache_copy(k_cache, f16k), vc = cache_copy(v_cache, f16v);
-        if (f16k != f16v) throw Error("k and v caches must have the same type");
-        check_cache(kc, vc, n_kv_heads, head_dim);
+        const Caches c = caches_copy(k_cache, v_cache, n_kv_heads, head_dim);
         if (q.ndim() != 2 || q.shape(1) != (int64_t)n_heads * head_dim) throw Error("q must be [n, n_heads*head_dim]");
         py::array_t<float> out({q.shape(0), q.shape(1)});
         float* op = out.mutable_data();
         {
           py::gil_scoped_release nogil;
-          T::attention(q.data(), kc.data(), vc.data(), f16k, kc.shape(0), q.shape(0), pos0, n_heads, n_kv_heads,
+          T::attention(q.data(), c.k.data(), c.v.data(), c.f16, c.k.shape(0), q.shape(0), pos0, n_heads, n_kv_heads,
                        head_dim, scale, op);
         }
         return out;
@@ -180,21 +200,17 @@ void register_gpu_ops(py::module_& m) {
          const py::array& v_cache, float scale) {
         std::vector<f32_array> keep;
         if (qkv.ndim() != 2) throw Error("qkv must be [n, ld]");
-        const float* qn = opt_f32(q_norm, keep, head_dim, "q_norm");
-        const float* kn = opt_f32(k_norm, keep, head_dim, "k_norm");
-        RopeParams p = rope_of(rope, keep);
-        bool f16k, f16v;
-        py::array kc = cache_copy(k_cache, f16k), vc = cache_copy(v_cache, f16v);
-        if (f16k != f16v) throw Error("k and v caches must have the same type");
-        check_cache(kc, vc, n_kv_heads, head_dim);
+        const RopeInputs r = rope_inputs(q_norm, k_norm, rope, head_dim, keep);
+        Caches c = caches_copy(k_cache, v_cache, n_kv_heads, head_dim);
         py::array_t<float> out({qkv.shape(0), (py::ssize_t)n_heads * head_dim});
         float* op = out.mutable_data();
         {
           py::gil_scoped_release nogil;
-          T::rope_attention(qkv.data(), qkv.shape(1), qkv.shape(0), pos0, n_heads, n_kv_heads, head_dim, qn, kn, eps,
-                            p, kc.mutable_data(), vc.mutable_data(), f16k, kc.shape(0), scale, op);
+          T::rope_attention(qkv.data(), qkv.shape(1), qkv.shape(0), pos0, n_heads, n_kv_heads, head_dim, r.q_norm,
+                            r.k_norm, eps, r.rope, c.k.mutable_data(), c.v.mutable_data(), c.f16, c.k.shape(0), scale,
+                            op);
         }
-        return py::make_tuple(out, kc, vc);
+        return py::make_tuple(out, c.k, c.v);
       },
       py::arg("qkv"), py::arg("pos0"), py::arg("n_heads"), py::arg("n_kv_heads"), py::arg("head_dim"),
       py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(), py::arg("eps") = 0.f, py::arg("rope"),

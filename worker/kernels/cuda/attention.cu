@@ -698,6 +698,23 @@ size_t attention_workspace_bytes(int64_t n, int64_t n_ctx, int32_t n_heads, int3
   return sizeof(float) * (size_t)(nq * n_heads * nc * (head_dim + 2)) + sizeof(int) * counter_count(nq, n_heads);
 }
 
+AttnArgs attention_args(const RopeKvArgs& r) {
+  AttnArgs a;
+  a.q = r.qkv;
+  a.ld_q = r.ld_qkv;
+  a.k_cache = r.k_cache;
+  a.v_cache = r.v_cache;
+  a.kv_f16 = r.kv_f16;
+  a.n_ctx = r.n_ctx;
+  a.n = r.n;
+  a.d_pos0 = r.d_pos0;
+  a.n_heads = r.n_heads;
+  a.n_kv_heads = r.n_kv_heads;
+  a.head_dim = r.head_dim;
+  a.rope = &r;
+  return a;
+}
+
 void attention(const AttnArgs& a, gpuStream_t s) {
   const std::string at = "attention: ";
   if (a.n_heads <= 0 || a.n_kv_heads <= 0 || a.n_heads % a.n_kv_heads != 0)
@@ -811,65 +828,21 @@ void attention(const float* q, const void* k_cache, const void* v_cache, bool kv
 void rope_attention(const float* qkv, int64_t ld_qkv, int64_t n, int32_t pos0, int32_t n_heads, int32_t n_kv_heads,
                     int32_t head_dim, const float* q_norm, const float* k_norm, float eps, const RopeParams& rope,
                     void* k_cache, void* v_cache, bool kv_f16, int64_t n_ctx, float scale, float* out) {
-  if (pos0 < 0 || n < 0 || pos0 + n > n_ctx)
-    throw Error("rope_attention: positions " + std::to_string(pos0) + ".." + std::to_string(pos0 + n) +
-                " do not fit the cache's " + std::to_string(n_ctx) + " rows");
-  if (n_heads <= 0 || n_kv_heads <= 0 || head_dim <= 0 || ld_qkv < (int64_t)(n_heads + 2 * n_kv_heads) * head_dim)
-    throw Error("rope_attention: n_heads, n_kv_heads and head_dim must be > 0 and ld_qkv hold a row of q|k|v");
-  const size_t qkv_bytes = sizeof(float) * (size_t)(n * ld_qkv);
+  if (n_heads <= 0 || ld_qkv < (int64_t)(n_heads + 2 * n_kv_heads) * head_dim)
+    throw Error("rope_attention: n_heads must be > 0 and ld_qkv hold a row of q|k|v");
+  DeviceRopeKv d("rope_attention", qkv, ld_qkv, n, pos0, n_heads, n_kv_heads, head_dim, q_norm, k_norm, eps, rope,
+                 k_cache, v_cache, kv_f16, n_ctx);
   const size_t out_bytes = sizeof(float) * (size_t)(n * n_heads * head_dim);
-  const size_t cache_bytes = (kv_f16 ? 2 : 4) * (size_t)(n_ctx * n_kv_heads * head_dim);
-  DeviceBuffer dqkv(qkv_bytes), dk(cache_bytes), dv(cache_bytes), dout(out_bytes), dpos(sizeof(int32_t));
-  DeviceBuffer work(attention_workspace_bytes(n, n_ctx, n_heads, head_dim)), dqn, dkn, dff;
+  DeviceBuffer dout(out_bytes), work(attention_workspace_bytes(n, n_ctx, n_heads, head_dim));
   if (work.size()) SPECD_GPU_CHECK(gpuMemset(work.get(), 0, work.size()));
-  to_device(dqkv.get(), qkv, qkv_bytes);
-  to_device(dk.get(), k_cache, cache_bytes);
-  to_device(dv.get(), v_cache, cache_bytes);
-  to_device(dpos.get(), &pos0, sizeof(int32_t));
-  auto upload = [](DeviceBuffer& d, const float* h, int64_t count) -> const float* {
-    if (!h || count <= 0) return nullptr;
-    d.resize(sizeof(float) * (size_t)count);
-    to_device(d.get(), h, sizeof(float) * (size_t)count);
-    return d.get<float>();
-  };
-  RopeKvArgs r;
-  r.qkv = dqkv.get<float>();
-  r.ld_qkv = ld_qkv;
-  r.n = n;
-  r.d_pos0 = dpos.get<int32_t>();
-  r.n_heads = n_heads;
-  r.n_kv_heads = n_kv_heads;
-  r.head_dim = head_dim;
-  r.q_norm = upload(dqn, q_norm, head_dim);
-  r.k_norm = upload(dkn, k_norm, head_dim);
-  r.eps = eps;
-  r.rope = rope;
-  r.rope.freq_factors = upload(dff, rope.freq_factors, rope.n_dims / 2);
-  r.k_cache = dk.get();
-  r.v_cache = dv.get();
-  r.kv_f16 = kv_f16;
-  r.n_ctx = n_ctx;
-  AttnArgs a;
-  a.q = r.qkv;
-  a.ld_q = ld_qkv;
-  a.k_cache = r.k_cache;
-  a.v_cache = r.v_cache;
-  a.kv_f16 = kv_f16;
-  a.n_ctx = n_ctx;
-  a.n = n;
-  a.d_pos0 = r.d_pos0;
-  a.n_heads = n_heads;
-  a.n_kv_heads = n_kv_heads;
-  a.head_dim = head_dim;
+  AttnArgs a = attention_args(d.args);
   a.scale = scale;
   a.out = dout.get<float>();
   a.work = work.get();
-  a.rope = &r;
   gpu::attention(a, nullptr);
   SPECD_GPU_CHECK(gpuDeviceSynchronize());
   to_host(out, dout.get(), out_bytes);
-  to_host(k_cache, dk.get(), cache_bytes);
-  to_host(v_cache, dv.get(), cache_bytes);
+  d.caches_to_host(k_cache, v_cache);
 }
 
 }  // namespace testing

@@ -54,6 +54,11 @@ struct AttnArgs {
   const RopeKvArgs* rope = nullptr;
 };
 
+// The arguments of attention over rope_kv(r)'s rows: q = r.qkv at its stride, the same rows,
+// positions, heads and caches, rope = &r (which must outlive the call). The caller adds scale,
+// out and work.
+AttnArgs attention_args(const RopeKvArgs& r);
+
 // Scratch needed for these sizes (0 allowed for none).
 size_t attention_workspace_bytes(int64_t n, int64_t n_ctx, int32_t n_heads, int32_t head_dim);
 

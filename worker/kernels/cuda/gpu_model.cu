@@ -465,19 +465,7 @@ class GpuModel final : public ForwardModel {
       r.v_cache = kv.v(l);
       r.kv_f16 = kv.f16();
       r.n_ctx = kv.n_ctx();
-      gpu::AttnArgs at;  // rope_kv(r) then attention; one kernel for decode / verify
-      at.rope = &r;
-      at.q = qkv;
-      at.ld_q = qkv_ld;
-      at.k_cache = kv.k(l);
-      at.v_cache = kv.v(l);
-      at.kv_f16 = kv.f16();
-      at.n_ctx = kv.n_ctx();
-      at.n = n;
-      at.d_pos0 = d_pos;
-      at.n_heads = c.n_heads;
-      at.n_kv_heads = c.n_kv_heads;
-      at.head_dim = c.head_dim;
+      gpu::AttnArgs at = gpu::attention_args(r);  // rope_kv(r) then attention: one kernel in decode
       at.scale = 1.0f / std::sqrt((float)hd);
       at.out = att;
       at.work = work_.get();

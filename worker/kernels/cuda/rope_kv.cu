@@ -178,50 +178,55 @@ void rope_kv(const RopeKvArgs& a, gpuStream_t s) {
 
 namespace testing {
 
+DeviceRopeKv::DeviceRopeKv(const char* op, const float* qkv_h, int64_t ld_qkv, int64_t n, int32_t pos0,
+                           int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, const float* q_norm_h,
+                           const float* k_norm_h, float eps, const RopeParams& rope, const void* k_cache_h,
+                           const void* v_cache_h, bool kv_f16, int64_t n_ctx) {
+  if (pos0 < 0 || n < 0 || pos0 + n > n_ctx)
+    throw Error(std::string(op) + ": positions " + std::to_string(pos0) + ".." + std::to_string(pos0 + n) +
+                " do not fit the cache's " + std::to_string(n_ctx) + " rows");
+  if (head_dim <= 0 || n_kv_heads <= 0) throw Error(std::string(op) + ": head_dim and n_kv_heads must be > 0");
+  const size_t qkv_bytes = sizeof(float) * (size_t)(n * ld_qkv);
+  const size_t cache_bytes = (kv_f16 ? 2 : 4) * (size_t)(n_ctx * n_kv_heads * head_dim);
+  auto upload = [](DeviceBuffer& d, const void* h, size_t bytes) -> void* {
+    if (!h || bytes == 0) return nullptr;
+    d.resize(bytes);
+    to_device(d.get(), h, bytes);
+    return d.get();
+  };
+  args.qkv = static_cast<float*>(upload(qkv, qkv_h, qkv_bytes));
+  args.ld_qkv = ld_qkv;
+  args.n = n;
+  args.d_pos0 = static_cast<const int32_t*>(upload(pos, &pos0, sizeof(int32_t)));
+  args.n_heads = n_heads;
+  args.n_kv_heads = n_kv_heads;
+  args.head_dim = head_dim;
+  args.q_norm = static_cast<const float*>(upload(q_norm, q_norm_h, sizeof(float) * (size_t)head_dim));
+  args.k_norm = static_cast<const float*>(upload(k_norm, k_norm_h, sizeof(float) * (size_t)head_dim));
+  args.eps = eps;
+  args.rope = rope;
+  args.rope.freq_factors =
+      static_cast<const float*>(upload(factors, rope.freq_factors, sizeof(float) * (size_t)(rope.n_dims / 2)));
+  args.k_cache = upload(k_cache, k_cache_h, cache_bytes);
+  args.v_cache = upload(v_cache, v_cache_h, cache_bytes);
+  args.kv_f16 = kv_f16;
+  args.n_ctx = n_ctx;
+}
+
+void DeviceRopeKv::caches_to_host(void* k_cache_h, void* v_cache_h) const {
+  to_host(k_cache_h, k_cache.get(), k_cache.size());
+  to_host(v_cache_h, v_cache.get(), v_cache.size());
+}
+
 void rope_kv(float* qkv, int64_t ld_qkv, int64_t n, int32_t pos0, int32_t n_heads, int32_t n_kv_heads,
              int32_t head_dim, const float* q_norm, const float* k_norm, float eps, const RopeParams& rope,
              void* k_cache, void* v_cache, bool kv_f16, int64_t n_ctx) {
-  if (pos0 < 0 || n < 0 || pos0 + n > n_ctx)
-    throw Error("rope_kv: positions " + std::to_string(pos0) + ".." + std::to_string(pos0 + n) +
-                " do not fit the cache's " + std::to_string(n_ctx) + " rows");
-  if (head_dim <= 0 || n_kv_heads <= 0)
-    throw Error("rope_kv: head_dim and n_kv_heads must be > 0");
-  const size_t qkv_bytes = sizeof(float) * (size_t)(n * ld_qkv);
-  const size_t cache_bytes = (kv_f16 ? 2 : 4) * (size_t)(n_ctx * n_kv_heads * head_dim);
-  DeviceBuffer dqkv(qkv_bytes), dk(cache_bytes), dv(cache_bytes), dpos(sizeof(int32_t));
-  DeviceBuffer dqn, dkn, dff;
-  to_device(dqkv.get(), qkv, qkv_bytes);
-  to_device(dk.get(), k_cache, cache_bytes);
-  to_device(dv.get(), v_cache, cache_bytes);
-  to_device(dpos.get(), &pos0, sizeof(int32_t));
-  auto upload = [](DeviceBuffer& d, const float* h, int64_t count) -> const float* {
-    if (!h || count <= 0) return nullptr;
-    d.resize(sizeof(float) * (size_t)count);
-    to_device(d.get(), h, sizeof(float) * (size_t)count);
-    return d.get<float>();
-  };
-  RopeKvArgs a;
-  a.qkv = dqkv.get<float>();
-  a.ld_qkv = ld_qkv;
-  a.n = n;
-  a.d_pos0 = dpos.get<int32_t>();
-  a.n_heads = n_heads;
-  a.n_kv_heads = n_kv_heads;
-  a.head_dim = head_dim;
-  a.q_norm = upload(dqn, q_norm, head_dim);
-  a.k_norm = upload(dkn, k_norm, head_dim);
-  a.eps = eps;
-  a.rope = rope;
-  a.rope.freq_factors = upload(dff, rope.freq_factors, rope.n_dims / 2);
-  a.k_cache = dk.get();
-  a.v_cache = dv.get();
-  a.kv_f16 = kv_f16;
-  a.n_ctx = n_ctx;
-  gpu::rope_kv(a, nullptr);
+  DeviceRopeKv d("rope_kv", qkv, ld_qkv, n, pos0, n_heads, n_kv_heads, head_dim, q_norm, k_norm, eps, rope, k_cache,
+                 v_cache, kv_f16, n_ctx);
+  gpu::rope_kv(d.args, nullptr);
   SPECD_GPU_CHECK(gpuDeviceSynchronize());
-  to_host(qkv, dqkv.get(), qkv_bytes);
-  to_host(k_cache, dk.get(), cache_bytes);
-  to_host(v_cache, dv.get(), cache_bytes);
+  to_host(qkv, d.qkv.get(), d.qkv.size());
+  d.caches_to_host(k_cache, v_cache);
 }
 
 }  // namespace testing

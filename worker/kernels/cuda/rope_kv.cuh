@@ -128,5 +128,22 @@ void rope_kv(const RopeKvArgs& a, gpuStream_t s);
 // specd::Error saying what is wrong.
 void rope_kv_check(const RopeKvArgs& a);
 
+namespace testing {
+
+// rope_kv's host inputs copied to the device, for the tests' entry points (cuda/testing.h:
+// rope_kv, rope_attention); args points into the owned buffers. Throws, naming `op`, when the
+// positions pos0 .. pos0 + n do not fit the cache's n_ctx rows or a size is not positive.
+struct DeviceRopeKv {
+  DeviceBuffer qkv, k_cache, v_cache, pos, q_norm, k_norm, factors;
+  RopeKvArgs args;
+
+  DeviceRopeKv(const char* op, const float* qkv, int64_t ld_qkv, int64_t n, int32_t pos0, int32_t n_heads,
+               int32_t n_kv_heads, int32_t head_dim, const float* q_norm, const float* k_norm, float eps,
+               const RopeParams& rope, const void* k_cache, const void* v_cache, bool kv_f16, int64_t n_ctx);
+  void caches_to_host(void* k_cache, void* v_cache) const;  // [n_ctx, n_kv*hd] each
+};
+
+}  // namespace testing
+
 }  // namespace gpu
 }  // namespace specd
