@@ -151,11 +151,37 @@ __device__ __forceinline__ void run_sums(const uint32_t (&a)[4], const uint2 (&b
   mma_i8_k32<kAS, false>(D[1], a, b[1].x, b[1].y);
   mma_i8_k32<kAS, false>(D[2], a, b[2].x, b[2].y);
 }
-// The same for a 16-element run of signed weights (rows g: a0, g + 8: a1)
-__device__ __forceinline__ void run_sums(uint32_t a0, uint32_t a1, const uint32_t (&b)[3], int (&D)[3][4]) {
-  mma_i8_k16<true, true>(D[0], a0, a1, b[0]);
-  mma_i8_k16<true, false>(D[1], a0, a1, b[1]);
-  mma_i8_k16<true, false>(D[2], a0, a1, b[2]);
+// The same for a 16-element run of signed weights (rows g: a[0], g + 8: a[1])
+template <bool kAS>
+__device__ __forceinline__ void run_sums(const uint32_t (&a)[2], const uint32_t (&b)[3], int (&D)[3][4]) {
+  static_assert(kAS, "16-element runs hold signed weights (Q6_K)");
+  mma_i8_k16<true, true>(D[0], a[0], a[1], b[0]);
+  mma_i8_k16<true, false>(D[1], a[0], a[1], b[1]);
+  mma_i8_k16<true, false>(D[2], a[0], a[1], b[2]);
+}
+
+// One run (x's segment seg, 32-element block blk) of the MT weight fragments a[mt] against
+// every tile of x (NT tiles of 8 rows, B fragments of type V at byte off): for each output
+// fin(acc[mt][nt][e], mt, e, S, xs, xsum), S the exact sum of the run, xs and xsum the scale and
+// block sum of its row of x (2t + (e & 1) of the tile).
+template <bool kAS, bool G, int NX, class V, int NT, int MT, class Frag, class Fin>
+__device__ __forceinline__ void run_tiles(const Frag (&a)[MT], const uint8_t* dig, const float* meta, int64_t K,
+                                          int seg, int blk, int g, int t, int off, float (&acc)[MT][NT][4], Fin fin) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    V b[3];
+    run_planes<G, NX>(dig, K, seg, 8 * nt + g, off, b);
+    const float4 mx = ldx<G, float4>(meta + 2 * (blk * NX + 8 * nt + 2 * t));
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      int D[3][4];
+      run_sums<kAS>(a[mt], b, D);
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        fin(acc[mt][nt][e], mt, e, digit_sum(D[0][e], D[1][e], D[2][e]), (e & 1) ? mx.z : mx.x,
+            (e & 1) ? mx.w : mx.y);
+    }
+  }
 }
 
 template <GgmlType T, int MT>
@@ -209,24 +235,11 @@ struct Mq<GgmlType::Q4_K, MT> {
         a[mt][3] = ch.q[mt][1].y & mask;
       }
       const int seg = 4 * c + 2 * run + (t >> 1), blk = 2 * c + run;
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        uint2 b[3];
-        run_planes<G, NX>(dig, K, seg, 8 * nt + g, 8 * (t & 1), b);
-        const float4 mx = ldx<G, float4>(meta + 2 * (blk * NX + 8 * nt + 2 * t));
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          int D[3][4];
-          run_sums<false>(a[mt], b, D);
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const float xs = (e & 1) ? mx.z : mx.x, xsum = (e & 1) ? mx.w : mx.y;
-            float& r = acc[mt][nt][e];
-            r = fmaf(digit_sum(D[0][e], D[1][e], D[2][e]) * xs, s[mt][e >> 1][run], r);
-            r = fmaf(m[mt][e >> 1][run], xsum, r);
-          }
-        }
-      }
+      run_tiles<false, G, NX, uint2>(a, dig, meta, K, seg, blk, g, t, 8 * (t & 1), acc,
+                                     [&](float& r, int mt, int e, float S, float xs, float xsum) {
+                                       r = fmaf(S * xs, s[mt][e >> 1][run], r);
+                                       r = fmaf(m[mt][e >> 1][run], xsum, r);
+                                     });
     }
   }
 };
@@ -293,23 +306,10 @@ struct Mq<GgmlType::Q6_K, MT> {
           a[mt][r] = (lo | ((qh[mt][r] << (6 - 2 * k)) & 0xC0C0C0C0u)) ^ 0x80808080u;
         }
       const int seg = 16 * b + 8 * h + 2 * k + m, blk = 8 * b + 4 * h + k;
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        uint32_t bw[3];
-        run_planes<G, NX>(dig, K, seg, 8 * nt + g, 4 * t, bw);
-        const float4 mx = ldx<G, float4>(meta + 2 * (blk * NX + 8 * nt + 2 * t));
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          int D[3][4];
-          run_sums(a[mt][0], a[mt][1], bw, D);
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const float xs = (e & 1) ? mx.z : mx.x;
-            float& r = acc[mt][nt][e];
-            r = fmaf(digit_sum(D[0][e], D[1][e], D[2][e]) * xs, s[mt][e >> 1][k], r);
-          }
-        }
-      }
+      run_tiles<true, G, NX, uint32_t>(a, dig, meta, K, seg, blk, g, t, 4 * t, acc,
+                                       [&](float& r, int mt, int e, float S, float xs, float) {
+                                         r = fmaf(S * xs, s[mt][e >> 1][k], r);
+                                       });
     }
   }
 };
@@ -362,23 +362,10 @@ struct Mq<GgmlType::Q8_0, MT> {
         a[mt][3] = q[1][1];
       }
       const int seg = 4 * c + 2 * run + (t >> 1), blk = 2 * c + run;
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        uint2 b[3];
-        run_planes<G, NX>(dig, K, seg, 8 * nt + g, 8 * (t & 1), b);
-        const float4 mx = ldx<G, float4>(meta + 2 * (blk * NX + 8 * nt + 2 * t));
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          int D[3][4];
-          run_sums<true>(a[mt], b, D);
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const float xs = (e & 1) ? mx.z : mx.x;
-            float& r = acc[mt][nt][e];
-            r = fmaf(digit_sum(D[0][e], D[1][e], D[2][e]) * xs, d[mt][e >> 1], r);
-          }
-        }
-      }
+      run_tiles<true, G, NX, uint2>(a, dig, meta, K, seg, blk, g, t, 8 * (t & 1), acc,
+                                    [&](float& r, int mt, int e, float S, float xs, float) {
+                                      r = fmaf(S * xs, d[mt][e >> 1], r);
+                                    });
     }
   }
 };
