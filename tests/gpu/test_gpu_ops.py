@@ -267,6 +267,8 @@ ATT_CASES = [
     (48, 0, 6, 2, 64),  # prefill of 48 tokens
     (40, 3000, 8, 8, 128),  # a prefill chunk at a long context (MHA): 12 chunks, 2 launches
     (64, 200, 28, 4, 128),  # 448 query rows (GQA 7) over 14 row tiles
+    (1, 40, 16, 1, 64),  # decode with a GQA group of 16 (past the decode kernel's 8)
+    (1, 255, 32, 8, 128),  # decode at the end of the first chunk (qwen3-8B heads)
 ]
 
 
@@ -528,13 +530,24 @@ def test_rope_attention_equals_rope_kv_then_attention(rng, dtype, mode, nh, nkv,
     assert np.isfinite(k1[: pos0 + n]).all() and np.isnan(k1[pos0 + n :]).all()
 
 
-def test_attention_fold_equals_combine_kernel(rng, tmp_path):
-    # Queries past position 256 combine their chunks' partials in the last block of the partial
-    # kernel (the fold). SPECD_GPU_FOLD=0 runs the separate combine kernel instead: same maths,
-    # so the same BITS, decode and verify, fp16 and float caches.
+@pytest.mark.parametrize("variant", ["SPECD_GPU_FOLD=0", "SPECD_GPU_DEC_BUFS=2", "SPECD_GPU_DEC_BUFS=3",
+                                     "SPECD_GPU_DEC_ATTN=0"])
+def test_attention_variants_give_the_same_bits(rng, tmp_path, variant):
+    # The launch variants compute the same maths in the same order, so the same BITS, decode and
+    # verify, fp16 and float caches:
+    # - SPECD_GPU_FOLD=0: the chunk combine (queries past position 256) in its own kernel
+    #   instead of the last block of the partial kernel (the fold);
+    # - SPECD_GPU_DEC_BUFS=2/3: the decode kernel's ring of K/V sub-tiles too small for a chunk,
+    #   refilled as it is consumed (as on 64-100 KiB shared-memory devices), instead of copied
+    #   whole before the grid wait;
+    # - SPECD_GPU_DEC_ATTN=0: decode (one query) on the general kernel.
     cases = []
     for dtype, n, pos0, nh, nkv, hd in [(np.float16, 1, 700, 32, 8, 128), (np.float32, 5, 1000, 14, 2, 64),
-                                         (np.float16, 17, 250, 16, 8, 128), (np.float16, 3, 5000, 8, 2, 256)]:
+                                         (np.float16, 17, 250, 16, 8, 128), (np.float16, 3, 5000, 8, 2, 256),
+                                         (np.float16, 1, 0, 16, 8, 128), (np.float16, 1, 64, 16, 8, 128),
+                                         (np.float16, 1, 127, 32, 8, 128), (np.float16, 1, 128, 14, 2, 64),
+                                         (np.float32, 1, 255, 8, 2, 128), (np.float16, 1, 256, 8, 2, 80),
+                                         (np.float32, 1, 3000, 4, 1, 256), (np.float16, 1, 5000, 28, 4, 128)]:
         q, k, v = attention_inputs(rng, n, pos0, nh, nkv, hd, dtype)
         cases.append((q, k, v, pos0, nh, nkv, hd))
         np.savez(tmp_path / f"case{len(cases)}.npz", q=q, k=k, v=v, meta=np.array([pos0, nh, nkv, hd]))
@@ -547,9 +560,10 @@ def test_attention_fold_equals_combine_kernel(rng, tmp_path):
         "    out = native.gpu_ops.attention(z['q'], z['k'], z['v'], pos0, nh, nkv, hd, 1.0 / np.sqrt(hd))\n"
         "    np.save(sys.argv[1] + f'/out{i}.npy', out)\n" % (len(cases) + 1)
     )
-    env = dict(os.environ, SPECD_GPU_FOLD="0")
+    name, value = variant.split("=")
+    env = dict(os.environ, **{name: value})
     subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env, check=True)
     for i, (q, k, v, pos0, nh, nkv, hd) in enumerate(cases, 1):
-        folded = gpu().attention(q, k, v, pos0, nh, nkv, hd, 1.0 / np.sqrt(hd))
-        assert np.isfinite(folded).all()
-        assert np.array_equal(folded, np.load(tmp_path / f"out{i}.npy")), f"case {i}"
+        out = gpu().attention(q, k, v, pos0, nh, nkv, hd, 1.0 / np.sqrt(hd))
+        assert np.isfinite(out).all()
+        assert np.array_equal(out, np.load(tmp_path / f"out{i}.npy")), f"case {i}"

@@ -36,6 +36,9 @@
 // Combine (combine_row): 256 threads per (query, head), in the partial kernel's last block of
 // the tile or in its own kernel, grid (n_heads, queries).
 //
+// Decode (one query) takes attn_decode_kernel where it applies (see its comment): the same
+// steps in the same order, its work spread over a block per (chunk, KV head) for one query.
+//
 // Long prefills are cut into launches of at most kMaxQueriesPerLaunch queries (fewer for very
 // long contexts) so the workspace stays bounded; queries are independent, so this changes no
 // result either.
@@ -43,6 +46,7 @@
 #include <string>
 
 #include "cuda/attention.cuh"
+#include "cuda/mma.cuh"
 #include "cuda/testing.h"
 
 namespace specd {
@@ -608,6 +612,399 @@ __global__ void __launch_bounds__(kAttnThreads) attn_combine_kernel(const AttnPa
   combine_row(P, blockIdx.y, blockIdx.x, reinterpret_cast<float*>(csm4));
 }
 
+// ---- decode: one query (attn_decode_kernel)
+//
+// The same arithmetic as attn_chunk_kernel, step for step (bit-equal outputs: decode and a
+// verify's rows must agree), with the work spread for one query: block (c, g) takes chunk c of
+// KV head g for the group's R query heads, 256 threads.
+//   before the grid wait: the chunk's cache rows older than the query (every row but the new
+//     one) are copied to shared memory asynchronously (cp.async on sm_80+), K and V in
+//     sub-tiles of kDecST rows through a ring of nb buffers; fused, the angles are tabled
+//   stage: warp t < R norms / ropes query head t into qs; the block holding the query's
+//     position takes the new K / V row from the QKV product (fused: normed, roped, rounded as
+//     the cache stores it, and written to the cache) or from the cache (rope_kv ran first)
+//   phase 1: a warp per (query head, 32 positions): lane -> one position's score
+//   phase 2: a warp per query head (m, p, l: attn_chunk_kernel's code)
+//   phase 3: thread -> one dim of up to HD/32 query heads, positions ascending
+// The new row is the chunk's last live position: phases 1 and 3 read it from its own buffer.
+// When the ring holds the whole chunk (nb >= 2 * sub-tiles) every copy is issued before the
+// wait; otherwise buffers are refilled as they are consumed.
+constexpr int kDecST = 64;                            // positions per sub-tile
+constexpr int kDecMaxRows = 8;                        // query heads per KV head the kernel takes
+constexpr int kDecMaxBufs = 8;                        // a whole chunk's K and V (dec_wait)
+
+template <int HD, class KvT>
+struct DecShape {
+  static constexpr int kHD = HD;
+  static constexpr int kVec = 16 / (int)sizeof(KvT);  // elements per 16-byte unit
+  static constexpr int kUnits = HD / kVec;            // units per (padded) row
+  static constexpr int kLd = HD + kVec;               // elements per buffer row: an odd number of
+                                                      // units, so per-row reads are conflict-free
+  static constexpr size_t kBufElems = (size_t)kDecST * kLd;
+  static constexpr size_t kBuf = kBufElems * sizeof(KvT);
+  // after the ring: qs [kDecMaxRows, HD] | S [kDecMaxRows, 256] | ml [kDecMaxRows, 2] (floats)
+  //   | angles [kRopeMaxPairs, 2] (double) | new K row, new V row [HD] (KvT)
+  static constexpr size_t kTail = sizeof(float) * (kDecMaxRows * (HD + kChunk + 2)) +
+                                  sizeof(double) * 2 * kRopeMaxPairs + 2 * sizeof(KvT) * HD;
+  static_assert(kDecST % kGroup == 0 && kChunk % kDecST == 0 && HD % kVec == 0, "decode shape");
+};
+
+// 16 bytes global -> shared: asynchronous on sm_80+ (dec_commit / dec_wait order them),
+// a plain copy elsewhere (the waits are then no-ops).
+__device__ __forceinline__ void dec_copy16(void* dst, const void* src) {
+#if SPECD_MMA
+  cp_async16_all(dst, src);
+#else
+  *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+#endif
+}
+__device__ __forceinline__ void dec_commit() {
+#if SPECD_MMA
+  cp_async_commit();
+#endif
+}
+__device__ __forceinline__ void dec_wait_all() {
+#if SPECD_MMA
+  cp_async_wait<0>();
+#endif
+}
+// Waits until at most `pending` (< kDecMaxBufs) of this thread's copy groups are in flight.
+__device__ __forceinline__ void dec_wait(int pending) {
+#if SPECD_MMA
+  switch (pending) {
+    case 0: cp_async_wait<0>(); break;
+    case 1: cp_async_wait<1>(); break;
+    case 2: cp_async_wait<2>(); break;
+    case 3: cp_async_wait<3>(); break;
+    case 4: cp_async_wait<4>(); break;
+    case 5: cp_async_wait<5>(); break;
+    case 6: cp_async_wait<6>(); break;
+    default: cp_async_wait<7>(); break;
+  }
+#else
+  (void)pending;
+#endif
+}
+
+template <class KvT>
+__device__ __forceinline__ float kv_float(const KvT* p);
+template <>
+__device__ __forceinline__ float kv_float<uint16_t>(const uint16_t* p) {
+  return __half2float(*reinterpret_cast<const __half*>(p));
+}
+template <>
+__device__ __forceinline__ float kv_float<float>(const float* p) { return *p; }
+
+// One 16-byte unit of a K row as floats.
+template <class KvT>
+__device__ __forceinline__ void unit_floats(const KvT* p, float (&f)[16 / sizeof(KvT)]) {
+  const uint4 x = *reinterpret_cast<const uint4*>(p);
+  if constexpr (sizeof(KvT) == 2) {
+    const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float2 t = __half22float2(*reinterpret_cast<const __half2*>(&w[k]));
+      f[2 * k] = t.x;
+      f[2 * k + 1] = t.y;
+    }
+  } else {
+    f[0] = __uint_as_float(x.x);
+    f[1] = __uint_as_float(x.y);
+    f[2] = __uint_as_float(x.z);
+    f[3] = __uint_as_float(x.w);
+  }
+}
+
+// Phase 1 of attn_decode_kernel: query head row qr (qs + r*HD) against K row krow (hu units):
+// the four fmaf chains over the dims, as attn_chunk_kernel's scores.
+template <class D, class KvT>
+__device__ __forceinline__ float dec_score(const KvT* krow, const float* qr, int hu, float scale) {
+  float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 2
+  for (int u = 0; u < hu; ++u) {
+    float kf[D::kVec];
+    unit_floats<KvT>(krow + u * D::kVec, kf);
+#pragma unroll
+    for (int e = 0; e < D::kVec; e += 4) {
+      const float4 q = *reinterpret_cast<const float4*>(qr + u * D::kVec + e);
+      a.x = fmaf(q.x, kf[e], a.x);
+      a.y = fmaf(q.y, kf[e + 1], a.y);
+      a.z = fmaf(q.z, kf[e + 2], a.z);
+      a.w = fmaf(q.w, kf[e + 3], a.w);
+    }
+  }
+  return __fmul_rn(__fadd_rn(__fadd_rn(a.x, a.y), __fadd_rn(a.z, a.w)), scale);
+}
+
+template <class KvT>
+__device__ __forceinline__ float2 kv_float2(const KvT* p) {
+  if constexpr (sizeof(KvT) == 2) return __half22float2(*reinterpret_cast<const __half2*>(p));
+  else return *reinterpret_cast<const float2*>(p);
+}
+
+// Phase 3 of attn_decode_kernel over one V sub-tile for NR query heads rs + slots*i and dims
+// d, d+1: acc += p_j V_j for the ring's rows [jb, jo) (buffer vbuf, row 0 = position jb), then
+// the new row (fv) when jo < je. Positions ascending: attn_chunk_kernel's fmaf chains.
+template <class D, class KvT, int NR>
+__device__ __forceinline__ void dec_weighted(const KvT* vbuf, const KvT* fv, const float* S, float2* acc, int rs,
+                                             int slots, int d, int jb, int jo, int je) {
+  int j = jb;
+#pragma unroll 1
+  for (; j + 4 <= jo; j += 4) {
+    float4 p[NR];
+#pragma unroll
+    for (int i = 0; i < NR; ++i) p[i] = *reinterpret_cast<const float4*>(S + (rs + slots * i) * kChunk + j);
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {
+      const float2 v = kv_float2<KvT>(vbuf + (j - jb + jj) * D::kLd + d);
+#pragma unroll
+      for (int i = 0; i < NR; ++i) {
+        acc[i].x = fmaf(comp(p[i], jj), v.x, acc[i].x);
+        acc[i].y = fmaf(comp(p[i], jj), v.y, acc[i].y);
+      }
+    }
+  }
+  auto one = [&](const KvT* row, int jj) {
+    const float2 v = kv_float2<KvT>(row + d);
+#pragma unroll
+    for (int i = 0; i < NR; ++i) {
+      const float pj = S[(rs + slots * i) * kChunk + jj];
+      acc[i].x = fmaf(pj, v.x, acc[i].x);
+      acc[i].y = fmaf(pj, v.y, acc[i].y);
+    }
+  };
+#pragma unroll 1
+  for (; j < jo; ++j) one(vbuf + (j - jb) * D::kLd, j);
+  if (jo < je) one(fv, jo);  // the new row (position jo = old_end), last
+}
+
+// rows x (hu 16-byte units) of the cache from src (rows ld elements apart) into a ring buffer
+// (rows D::kLd apart): thread -> unit tid % kUnits of rows tid / kUnits + kStep k. Out of line:
+// the kernel's code stays small (it runs once per layer, its instructions fetched cold).
+template <class D, class KvT>
+__device__ __noinline__ void dec_copy_rows(const KvT* src, int ld, int rows, int hu, KvT* dst) {
+  constexpr int kStep = kAttnThreads / D::kUnits;
+  static_assert(kAttnThreads % D::kUnits == 0, "copy layout");
+  const int u = threadIdx.x % D::kUnits, r = threadIdx.x / D::kUnits;
+  if (u >= hu) return;
+  src += (int64_t)r * ld + u * D::kVec;
+  dst += r * D::kLd + u * D::kVec;
+  for (int k = r; k < rows; k += kStep, src += (int64_t)kStep * ld, dst += kStep * D::kLd) dec_copy16(dst, src);
+}
+
+// grid n_chunks * n_kv blocks, chunk-major (chunks past the query's position return at once);
+// dynamic shared memory nb * DecShape::kBuf + DecShape::kTail.
+template <int HD, class KvT>
+__global__ void __launch_bounds__(kAttnThreads) attn_decode_kernel(const AttnParams P, const int nb) {
+  using D = DecShape<HD, KvT>;
+  extern __shared__ float4 smem4[];
+  char* base = reinterpret_cast<char*>(smem4);
+  KvT* ring = reinterpret_cast<KvT*>(base);
+  float* qs = reinterpret_cast<float*>(base + (size_t)nb * D::kBuf);
+  float* S = qs + kDecMaxRows * HD;
+  float* ml = S + kDecMaxRows * kChunk;
+  double* cs = reinterpret_cast<double*>(ml + 2 * kDecMaxRows);
+  KvT* fk = reinterpret_cast<KvT*>(cs + 2 * kRopeMaxPairs);
+  KvT* fv = fk + HD;
+
+  const int c = blockIdx.x / P.n_kv, g = blockIdx.x % P.n_kv;
+  const int pos0 = *P.d_pos0;  // (set before the forward)
+  const int j0 = c * kChunk;
+  if (j0 > pos0) return;  // past the query: nothing to read or write
+  const int live = min(kChunk, pos0 + 1 - j0);    // positions of this chunk the query sees
+  const bool holds_new = pos0 < j0 + kChunk;     // the new row (pos0) is the last live one
+  const int old_end = holds_new ? live - 1 : live;  // rows [0, old_end) come from the cache
+  const int ns = (live + kDecST - 1) / kDecST;    // sub-tiles
+  const int nload = 2 * ns;                       // K sub-tiles, then V sub-tiles
+  const bool all_in = nload <= nb;
+  const int ld = P.n_kv * P.hd, col0 = g * P.hd, hu = P.hd / D::kVec;  // live units of a row
+  const KvT* kc = static_cast<const KvT*>(P.k);
+  const KvT* vc = static_cast<const KvT*>(P.v);
+  const int tid = threadIdx.x, warp = tid / kGroup, lane = tid % kGroup;
+  const int R = P.group;
+
+  auto buf = [&](int i) {  // the ring buffer of load i, i % nb (i < 2 * kDecMaxBufs: no division)
+    while (i >= nb) i -= nb;
+    return i;
+  };
+  // Load i: K (i < ns) or V sub-tile i % ns, rows below old_end, into buffer i % nb; a group
+  // is committed for every i (empty past the last load) so that waits count uniformly.
+  auto issue = [&](int i) {
+    if (i < nload) {
+      const bool isv = i >= ns;
+      const int r0 = (isv ? i - ns : i) * kDecST;
+      dec_copy_rows<D, KvT>((isv ? vc : kc) + (int64_t)(j0 + r0) * ld + col0, ld, min(kDecST, old_end - r0), hu,
+                            ring + (size_t)buf(i) * D::kBufElems);
+    }
+    dec_commit();
+  };
+  // Row j (< live) of the chunk, K or V, where it sits now.
+  auto row_of = [&](int j, bool isv) -> const KvT* {
+    if (j == old_end && holds_new) return isv ? fv : fk;
+    const int s = j / kDecST;
+    return ring + (size_t)buf(isv ? ns + s : s) * D::kBufElems + (j % kDecST) * D::kLd;
+  };
+
+  if (P.fuse)
+    for (int i = tid; i < P.rs.n_dims / 2; i += kAttnThreads)
+      rope_angle(P.base_freq, P.factors, pos0, i, cs[2 * i], cs[2 * i + 1]);
+  for (int i = 0; i < nb; ++i) issue(i);
+  __syncthreads();  // the angles
+  gpu_grid_wait();  // (programmatic dependent launch: vendor.cuh) the QKV product is done
+  gpu_grid_launch_dependents();
+
+  // ---- stage: q heads into qs; the new K / V row into fk / fv
+  {
+    auto angle = [cs](int i, double& co, double& si) {
+      co = cs[2 * i];
+      si = cs[2 * i + 1];
+    };
+    const int tasks = R + (holds_new ? 2 : 0);
+    for (int t = warp; t < tasks; t += kWarps) {
+      const bool is_q = t < R, is_k = t == R;
+      const float* x = P.q + (int64_t)(is_q ? g * R + t : P.n_heads + (is_k ? 0 : P.n_kv) + g) * P.hd;
+      KvT* f = is_k ? fk : fv;
+      float* dst = qs + t * HD;
+      if (P.fuse) {  // (one rope_head call site: the kernel's code stays small)
+        KvT* cache = static_cast<KvT*>(is_k ? P.kw : P.vw) + (int64_t)pos0 * ld + col0;
+        auto put = [&](int d, float v) {
+          if (is_q) {
+            dst[d] = v;
+          } else {
+            const KvT b = to_kv<KvT>(v);
+            f[d] = b;
+            cache[d] = b;
+          }
+        };
+        if (t <= R) {
+          rope_head<HD>(P.rs, x, is_q ? P.q_norm : P.k_norm, lane, angle, put);
+        } else {
+#pragma unroll
+          for (int k = 0; k < HD / kGroup; ++k)
+            if (lane + kGroup * k < P.hd) put(lane + kGroup * k, x[lane + kGroup * k]);
+        }
+      } else if (is_q) {
+#pragma unroll
+        for (int k = 0; k < HD / kGroup; ++k)
+          if (lane + kGroup * k < P.hd) dst[lane + kGroup * k] = x[lane + kGroup * k];
+      } else {  // rope_kv wrote the new row (the kernel before this one): read after the wait
+        const KvT* src = (is_k ? kc : vc) + (int64_t)pos0 * ld + col0;
+#pragma unroll
+        for (int k = 0; k < HD / kGroup; ++k)
+          if (lane + kGroup * k < P.hd) f[lane + kGroup * k] = src[lane + kGroup * k];
+      }
+    }
+  }
+
+  // ---- phase 1: scores, sub-tile by sub-tile (all at once when the ring holds the chunk); an
+  // item is (32 positions, one query head)
+  const int n_kg = (live + kGroup - 1) / kGroup;  // groups of 32 positions
+  for (int s0 = 0; s0 < ns;) {
+    const int s1 = all_in ? ns : s0 + 1;
+    if (all_in) dec_wait_all();
+    else dec_wait(nb - 1);
+    __syncthreads();  // the copies of loads <= s1 - 1 (and, at first, the stage) are visible
+    const int kg0 = s0 * (kDecST / kGroup), kg1 = min(n_kg, s1 * (kDecST / kGroup));
+    for (int it = warp; it < (kg1 - kg0) * R; it += kWarps) {
+      const int r = it % R, j = (kg0 + it / R) * kGroup + lane;
+      if (j < live) S[r * kChunk + j] = dec_score<D, KvT>(row_of(j, false), qs + r * HD, hu, P.scale);
+    }
+    if (!all_in) {
+      __syncthreads();  // buffer s0 is free
+      issue(s0 + nb);
+    }
+    s0 = s1;
+  }
+  __syncthreads();
+
+  // ---- phase 2: m, p = exp(s - m), l per query head (a warp each), as attn_chunk_kernel
+  if (warp < R) {
+    float* Sr = S + warp * kChunk;
+    float m = -INFINITY;
+#pragma unroll 1
+    for (int j = lane; j < live; j += kGroup) m = fmaxf(m, Sr[j]);
+    m = group_max(m);
+    float l = 0.f;
+#pragma unroll 1
+    for (int j = lane; j < kChunk; j += kGroup) {
+      const float p = j < live ? exp_diff(Sr[j], m) : 0.f;
+      Sr[j] = p;
+      l = __fadd_rn(l, p);
+    }
+    l = group_sum(l);
+    if (lane == 0) {
+      ml[2 * warp] = m;
+      ml[2 * warp + 1] = l;
+    }
+  }
+
+  // ---- phase 3: o = sum_j p_j V_j, j ascending; thread -> dims d, d+1 of query heads
+  // rs + kSlots3 * i
+  constexpr int kPairs = HD / 2, kSlots3 = kAttnThreads / kPairs;
+  constexpr int kRPT = (kDecMaxRows + kSlots3 - 1) / kSlots3;  // query heads per thread, at most
+  const int d = 2 * (tid % kPairs), rs = tid / kPairs;
+  const int nr = d < P.hd && rs < R ? (R - rs + kSlots3 - 1) / kSlots3 : 0;
+  float2 acc[kRPT];
+#pragma unroll
+  for (int i = 0; i < kRPT; ++i) acc[i] = make_float2(0.f, 0.f);
+  for (int s = 0; s < ns; ++s) {
+    if (!all_in) dec_wait(nb - 1);
+    __syncthreads();  // p is final (s = 0); this V sub-tile's copies are visible
+    const int jb = s * kDecST, je = min(live, jb + kDecST), jo = min(je, old_end);  // ring rows [jb, jo)
+    const KvT* vbuf = ring + (size_t)buf(ns + s) * D::kBufElems;
+    switch (nr) {
+      case 1: dec_weighted<D, KvT, 1>(vbuf, fv, S, acc, rs, kSlots3, d, jb, jo, je); break;
+      case 2: if constexpr (kRPT >= 2) dec_weighted<D, KvT, 2>(vbuf, fv, S, acc, rs, kSlots3, d, jb, jo, je); break;
+      case 3: if constexpr (kRPT >= 3) dec_weighted<D, KvT, 3>(vbuf, fv, S, acc, rs, kSlots3, d, jb, jo, je); break;
+      case 4: if constexpr (kRPT >= 4) dec_weighted<D, KvT, 4>(vbuf, fv, S, acc, rs, kSlots3, d, jb, jo, je); break;
+      default: break;
+    }
+    if (!all_in) {
+      __syncthreads();  // buffer ns + s is free
+      issue(ns + s + nb);
+    }
+  }
+
+  // ---- output: one chunk finished in place, else this chunk's partial
+  const bool one = pos0 < kChunk || P.n_chunks == 1;
+#pragma unroll
+  for (int i = 0; i < kRPT; ++i) {
+    if (i >= nr) continue;
+    const int r = rs + kSlots3 * i, h = g * R + r;
+    const float m = ml[2 * r], l = ml[2 * r + 1];
+    if (one) {
+      *reinterpret_cast<float2*>(P.out + (int64_t)h * P.hd + d) =
+          make_float2(__fdiv_rn(acc[i].x, l), __fdiv_rn(acc[i].y, l));
+    } else {
+      const int64_t u = (int64_t)h * P.n_chunks + c;
+      *reinterpret_cast<float2*>(P.work_o + u * P.hd + d) = acc[i];
+      if (d == 0) {
+        P.work_ml[2 * u] = m;
+        P.work_ml[2 * u + 1] = l;
+      }
+    }
+  }
+
+  // ---- fold: the last of this KV head's chunks combines its query heads (as attn_chunk_kernel)
+  const int n_live = min(P.n_chunks - 1, pos0 / kChunk) + 1;
+  if (P.fold && n_live > 1) {
+    int* flag = reinterpret_cast<int*>(ml);  // (ml is read above: the barrier below orders it)
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) {
+      int* count = P.counters + g;
+      const bool last = atomicAdd(count, 1) == n_live - 1;
+      if (last) *count = 0;
+      flag[0] = last;
+    }
+    __syncthreads();
+    if (flag[0]) {
+      __threadfence();
+      for (int r = 0; r < R; ++r) combine_row(P, 0, g * R + r, reinterpret_cast<float*>(smem4));
+    }
+  }
+}
+
 // ---- host side
 
 int n_chunks_of(int64_t n_ctx) { return (int)ceil_div(n_ctx, kChunk); }
@@ -675,6 +1072,48 @@ size_t launch_partial(const AttnParams& P, bool f16, int64_t rows, gpuStream_t s
   if (P.hd <= 64) return launch_hd<Cfg<64, 16, 64>, Cfg<64, 32, 32>, Cfg<64, 16, 64>, float>(P, rows, s);
   if (P.hd <= 128) return launch_hd<Cfg<128, 8, 32>, Cfg<128, 32, 32>, Cfg<128, 16, 32>, float>(P, rows, s);
   return launch_hd<Cfg<256, 8, 32, 1>, Cfg<256, 16, 32, 1>, Cfg<256, 8, 32, 1>, float>(P, rows, s);
+}
+
+// The decode kernel in head_dim padding HD: false where it does not apply (the ring's two
+// buffers and the rest do not fit the device's shared memory). With s == kDryRun it only says.
+// SPECD_GPU_DEC_BUFS=n caps the ring at n buffers (benchmarks).
+template <int HD, class KvT>
+bool launch_dec_hd(AttnParams P, gpuStream_t s) {
+  using D = DecShape<HD, KvT>;
+  const size_t limit = dev_limits().smem_per_block;
+  const int need = 2 * (int)ceil_div(std::min<int64_t>(P.n_ctx, kChunk), kDecST);  // a chunk's loads
+  static_assert(2 * kChunk / kDecST <= kDecMaxBufs, "dec_wait's pending counts");
+  int nb = (int)std::min<size_t>((size_t)need, limit > D::kTail ? (limit - D::kTail) / D::kBuf : 0);
+  static const int cap = std::atoi(env_value("SPECD_GPU_DEC_BUFS").c_str());
+  if (cap > 0) nb = std::min(nb, cap);
+  if (nb < 2) return false;
+  if (s == kDryRun) return true;
+  const size_t smem = (size_t)nb * D::kBuf + D::kTail;
+  // the fold's combine works in the ring, q and S (not past them: ml holds its flag)
+  const size_t fold_room = (size_t)nb * D::kBuf + sizeof(float) * kDecMaxRows * (HD + kChunk);
+  P.fold = P.n_chunks > 1 && !fold_off() && sizeof(float) * (size_t)combine_floats(P.n_chunks, P.hd) <= fold_room;
+  auto kern = attn_decode_kernel<HD, KvT>;
+  SPECD_GPU_CHECK(gpuFuncSetAttribute(kern, gpuFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  gpu_launch("attn_decode_kernel", kern, dim3((unsigned)(P.n_chunks * P.n_kv)), dim3(kAttnThreads), smem, s, P, nb);
+  if (P.n_chunks > 1 && !P.fold)
+    gpu_launch("attn_combine_kernel", attn_combine_kernel, dim3((unsigned)P.n_heads, 1u), dim3(kAttnThreads),
+               sizeof(float) * (size_t)combine_floats(P.n_chunks, P.hd), s, P);
+  return true;
+}
+
+// One query on attn_decode_kernel: false where it does not apply (GQA groups above
+// kDecMaxRows, too little shared memory, SPECD_GPU_DEC_ATTN=0), and nothing is launched.
+bool launch_decode(const AttnParams& P, bool f16, gpuStream_t s) {
+  static const bool off = env_value("SPECD_GPU_DEC_ATTN") == "0";
+  if (off || P.group > kDecMaxRows) return false;
+  if (f16) {
+    if (P.hd <= 64) return launch_dec_hd<64, uint16_t>(P, s);
+    if (P.hd <= 128) return launch_dec_hd<128, uint16_t>(P, s);
+    return launch_dec_hd<256, uint16_t>(P, s);
+  }
+  if (P.hd <= 64) return launch_dec_hd<64, float>(P, s);
+  if (P.hd <= 128) return launch_dec_hd<128, float>(P, s);
+  return launch_dec_hd<256, float>(P, s);
 }
 
 // The fused step's checks: `r` must describe this call's rows, positions, heads and caches.
@@ -757,6 +1196,9 @@ void attention(const AttnArgs& a, gpuStream_t s) {
   P.scale = a.scale;
   // The fused step: one launch of at most kAttnMaxFusedRows queries whose block shape has the
   // shared memory for the new rows (SPECD_GPU_FUSE_ROPE=0: never, for benchmarks).
+  P.r0 = 0;
+  P.nq = 1;
+  const bool dec = a.n == 1 && launch_decode(P, a.kv_f16, kDryRun);  // one query: attn_decode_kernel
   static const bool fuse_off = env_value("SPECD_GPU_FUSE_ROPE") == "0";
   if (a.rope && !fuse_off && a.n <= kAttnMaxFusedRows && nq == a.n) {
     const RopeKvArgs& r = *a.rope;
@@ -768,7 +1210,7 @@ void attention(const AttnArgs& a, gpuStream_t s) {
     P.kw = a.k_cache;
     P.vw = a.v_cache;
     rope_base_freq(r.rope, P.base_freq);
-    if (launch_partial(P, a.kv_f16, a.n * group, kDryRun) > dev_limits().smem_per_block) P.fuse = 0;
+    if (!dec && launch_partial(P, a.kv_f16, a.n * group, kDryRun) > dev_limits().smem_per_block) P.fuse = 0;
   }
   if (a.rope && !P.fuse) rope_kv(*a.rope, s);
   if (attention_prefill_tc(a, s)) return;  // prefills on tensor cores where they can
@@ -776,6 +1218,10 @@ void attention(const AttnArgs& a, gpuStream_t s) {
     throw Error(at + "a workspace of attention_workspace_bytes(...) = " +
                 std::to_string(attention_workspace_bytes(a.n, a.n_ctx, a.n_heads, a.head_dim)) +
                 " bytes is needed (n_ctx > " + std::to_string(kChunk) + ")");
+  if (dec) {
+    launch_decode(P, a.kv_f16, s);
+    return;
+  }
   for (int64_t r0 = 0; r0 < a.n; r0 += nq) {
     P.r0 = (int32_t)r0;
     P.nq = (int32_t)std::min<int64_t>(nq, a.n - r0);
