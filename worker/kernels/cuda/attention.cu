@@ -263,6 +263,42 @@ __device__ __forceinline__ void weighted(const float* S, const float* tile, floa
   }
 }
 
+// Phase 2 of both kernels, one row of a chunk's scores by a warp: Sr [256] holds the scores of
+// the row's `valid` live positions; m = their max, p_j = exp(s_j - m) in place (0 past valid),
+// l = butterfly over the lanes of each lane's ascending sum of p_{lane + 32k}; ml = (m, l).
+// kCompact re-reads the scores instead of keeping them in registers (attn_decode_kernel's code
+// stays small); the same operations either way.
+template <bool kCompact>
+__device__ __forceinline__ void chunk_softmax(float* Sr, int valid, int lane, float* ml) {
+  constexpr int kPer = kChunk / kGroup;
+  float sv[kCompact ? 1 : kPer];
+  float m = -INFINITY;
+#pragma unroll(kCompact ? 1 : kPer)
+  for (int k = 0; k < kPer; ++k) {
+    const int j = lane + kGroup * k;
+    const float x = j < valid ? Sr[j] : -INFINITY;
+    if constexpr (!kCompact) sv[k] = x;
+    m = fmaxf(m, x);
+  }
+  m = group_max(m);
+  float l = 0.f;
+#pragma unroll(kCompact ? 1 : kPer)
+  for (int k = 0; k < kPer; ++k) {
+    const int j = lane + kGroup * k;
+    float x;
+    if constexpr (kCompact) x = Sr[j];
+    else x = sv[k];
+    const float p = j < valid ? exp_diff(x, m) : 0.f;
+    Sr[j] = p;
+    l = __fadd_rn(l, p);
+  }
+  l = group_sum(l);
+  if (lane == 0) {
+    ml[0] = m;
+    ml[1] = l;
+  }
+}
+
 // ---- kernels
 
 // One work item: (chunk c, KV head g, row tile) of a launch. Items run chunk-major, so the live
@@ -439,30 +475,7 @@ __global__ void __launch_bounds__(kAttnThreads, C::MINB) attn_chunk_kernel(const
     for (int i = 0; i < C::NI1; ++i) {
       const int row = warp + kWarps * i;
       if (row >= it.R) break;
-      const int valid = row_valid[row];
-      float* Sr = S + row * kChunk;
-      float sv[kChunk / kGroup];
-      float m = -INFINITY;
-#pragma unroll
-      for (int k = 0; k < kChunk / kGroup; ++k) {
-        const int j = lane + kGroup * k;
-        sv[k] = j < valid ? Sr[j] : -INFINITY;
-        m = fmaxf(m, sv[k]);
-      }
-      m = group_max(m);
-      float l = 0.f;
-#pragma unroll
-      for (int k = 0; k < kChunk / kGroup; ++k) {
-        const int j = lane + kGroup * k;
-        const float p = j < valid ? exp_diff(sv[k], m) : 0.f;
-        Sr[j] = p;
-        l = __fadd_rn(l, p);
-      }
-      l = group_sum(l);
-      if (lane == 0) {
-        ml[2 * row] = m;
-        ml[2 * row + 1] = l;
-      }
+      chunk_softmax<false>(S + row * kChunk, row_valid[row], lane, ml + 2 * row);
     }
 
     // ---- phase 3: o = sum_j p_j V_j over V sub-tiles
@@ -635,7 +648,6 @@ constexpr int kDecMaxBufs = 8;                        // a whole chunk's K and V
 
 template <int HD, class KvT>
 struct DecShape {
-  static constexpr int kHD = HD;
   static constexpr int kVec = 16 / (int)sizeof(KvT);  // elements per 16-byte unit
   static constexpr int kUnits = HD / kVec;            // units per (padded) row
   static constexpr int kLd = HD + kVec;               // elements per buffer row: an odd number of
@@ -685,15 +697,6 @@ __device__ __forceinline__ void dec_wait(int pending) {
   (void)pending;
 #endif
 }
-
-template <class KvT>
-__device__ __forceinline__ float kv_float(const KvT* p);
-template <>
-__device__ __forceinline__ float kv_float<uint16_t>(const uint16_t* p) {
-  return __half2float(*reinterpret_cast<const __half*>(p));
-}
-template <>
-__device__ __forceinline__ float kv_float<float>(const float* p) { return *p; }
 
 // One 16-byte unit of a K row as floats.
 template <class KvT>
@@ -917,26 +920,8 @@ __global__ void __launch_bounds__(kAttnThreads) attn_decode_kernel(const AttnPar
   }
   __syncthreads();
 
-  // ---- phase 2: m, p = exp(s - m), l per query head (a warp each), as attn_chunk_kernel
-  if (warp < R) {
-    float* Sr = S + warp * kChunk;
-    float m = -INFINITY;
-#pragma unroll 1
-    for (int j = lane; j < live; j += kGroup) m = fmaxf(m, Sr[j]);
-    m = group_max(m);
-    float l = 0.f;
-#pragma unroll 1
-    for (int j = lane; j < kChunk; j += kGroup) {
-      const float p = j < live ? exp_diff(Sr[j], m) : 0.f;
-      Sr[j] = p;
-      l = __fadd_rn(l, p);
-    }
-    l = group_sum(l);
-    if (lane == 0) {
-      ml[2 * warp] = m;
-      ml[2 * warp + 1] = l;
-    }
-  }
+  // ---- phase 2: m, p = exp(s - m), l per query head (a warp each)
+  if (warp < R) chunk_softmax<true>(S + warp * kChunk, live, lane, ml + 2 * warp);
 
   // ---- phase 3: o = sum_j p_j V_j, j ascending; thread -> dims d, d+1 of query heads
   // rs + kSlots3 * i
