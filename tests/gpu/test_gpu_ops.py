@@ -530,15 +530,15 @@ def test_rope_attention_equals_rope_kv_then_attention(rng, dtype, mode, nh, nkv,
     assert np.isfinite(k1[: pos0 + n]).all() and np.isnan(k1[pos0 + n :]).all()
 
 
-@pytest.mark.parametrize("variant", ["SPECD_GPU_FOLD=0", "SPECD_GPU_DEC_BUFS=2", "SPECD_GPU_DEC_BUFS=3",
+@pytest.mark.parametrize("variant", ["SPECD_GPU_FOLD=0", "SPECD_GPU_DEC_BUFS=4", "SPECD_GPU_DEC_BUFS=5",
                                      "SPECD_GPU_DEC_ATTN=0"])
 def test_attention_variants_give_the_same_bits(rng, tmp_path, variant):
     # The launch variants compute the same maths in the same order, so the same BITS, decode and
     # verify, fp16 and float caches:
     # - SPECD_GPU_FOLD=0: the chunk combine (queries past position 256) in its own kernel
     #   instead of the last block of the partial kernel (the fold);
-    # - SPECD_GPU_DEC_BUFS=2/3: the decode kernel's ring of K/V sub-tiles too small for a chunk,
-    #   refilled as it is consumed (as on 64-100 KiB shared-memory devices), instead of copied
+    # - SPECD_GPU_DEC_BUFS=4/5: the decode kernel's ring of K/V sub-tiles too small for a chunk,
+    #   refilled as it is consumed (as on ~100 KiB shared-memory devices), instead of copied
     #   whole before the grid wait;
     # - SPECD_GPU_DEC_ATTN=0: decode (one query) on the general kernel.
     cases = []

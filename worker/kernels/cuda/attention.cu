@@ -637,14 +637,15 @@ __global__ void __launch_bounds__(kAttnThreads) attn_combine_kernel(const AttnPa
 //     position takes the new K / V row from the QKV product (fused: normed, roped, rounded as
 //     the cache stores it, and written to the cache) or from the cache (rope_kv ran first)
 //   phase 1: a warp per (query head, 32 positions): lane -> one position's score
-//   phase 2: a warp per query head (m, p, l: attn_chunk_kernel's code)
-//   phase 3: thread -> one dim of up to HD/32 query heads, positions ascending
+//   phase 2: a warp per query head (chunk_softmax, as attn_chunk_kernel)
+//   phase 3: thread -> two dims of up to HD/64 query heads, positions ascending
 // The new row is the chunk's last live position: phases 1 and 3 read it from its own buffer.
 // When the ring holds the whole chunk (nb >= 2 * sub-tiles) every copy is issued before the
 // wait; otherwise buffers are refilled as they are consumed.
 constexpr int kDecST = 64;                            // positions per sub-tile
 constexpr int kDecMaxRows = 8;                        // query heads per KV head the kernel takes
 constexpr int kDecMaxBufs = 8;                        // a whole chunk's K and V (dec_wait)
+constexpr int kDecMinBufs = 4;                        // fewer: the general kernel (launch_dec_hd)
 
 template <int HD, class KvT>
 struct DecShape {
@@ -1059,8 +1060,9 @@ size_t launch_partial(const AttnParams& P, bool f16, int64_t rows, gpuStream_t s
   return launch_hd<Cfg<256, 8, 32, 1>, Cfg<256, 16, 32, 1>, Cfg<256, 8, 32, 1>, float>(P, rows, s);
 }
 
-// The decode kernel in head_dim padding HD: false where it does not apply (the ring's two
-// buffers and the rest do not fit the device's shared memory). With s == kDryRun it only says.
+// The decode kernel in head_dim padding HD: false where it does not apply (a ring of
+// kDecMinBufs buffers, or a whole chunk's, and the rest do not fit the device's shared memory).
+// With s == kDryRun it only says.
 // SPECD_GPU_DEC_BUFS=n caps the ring at n buffers (benchmarks).
 template <int HD, class KvT>
 bool launch_dec_hd(AttnParams P, gpuStream_t s) {
@@ -1071,7 +1073,10 @@ bool launch_dec_hd(AttnParams P, gpuStream_t s) {
   int nb = (int)std::min<size_t>((size_t)need, limit > D::kTail ? (limit - D::kTail) / D::kBuf : 0);
   static const int cap = std::atoi(env_value("SPECD_GPU_DEC_BUFS").c_str());
   if (cap > 0) nb = std::min(nb, cap);
-  if (nb < 2) return false;
+  // A ring of fewer than 4 sub-tiles (where shared memory is 64 KiB) refills too often: the
+  // general kernel is faster there (H200, SPECD_GPU_DEC_BUFS=2: 8B Q4_K_M steps 12 % longer
+  // than the general kernel's at positions 300-4000; `..._20261201_decode-attn-rings.json`).
+  if (nb < std::min(need, kDecMinBufs)) return false;
   if (s == kDryRun) return true;
   const size_t smem = (size_t)nb * D::kBuf + D::kTail;
   // the fold's combine works in the ring, q and S (not past them: ml holds its flag)

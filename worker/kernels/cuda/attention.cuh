@@ -10,7 +10,7 @@
 // which lossless speculative decoding needs.
 //
 // One query (decode, n = 1) runs attn_decode_kernel instead where it applies (GQA groups of up
-// to 8, shared memory for two K/V sub-tiles): the same arithmetic in the same order, so the same
+// to 8, shared memory for a ring of 4 K/V sub-tiles or a whole chunk's): the same arithmetic in the same order, so the same
 // bits, with the work spread for one query and the chunk's cached rows copied before the grid
 // wait (attention.cu). SPECD_GPU_DEC_ATTN=0 keeps decode on the general kernel (benchmarks).
 //
