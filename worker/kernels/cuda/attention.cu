@@ -156,6 +156,25 @@ __device__ __forceinline__ uint16_t to_kv<uint16_t>(float v) { return f32_to_f16
 template <>
 __device__ __forceinline__ float to_kv<float>(float v) { return v; }
 
+// 16 bytes of cache elements (8 fp16 or 4 float) as floats, exactly.
+template <class KvT>
+__device__ __forceinline__ void kv_unit_floats(const uint4& x, float (&f)[16 / sizeof(KvT)]) {
+  if constexpr (sizeof(KvT) == 2) {
+    const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float2 t = __half22float2(*reinterpret_cast<const __half2*>(&w[k]));
+      f[2 * k] = t.x;
+      f[2 * k + 1] = t.y;
+    }
+  } else {
+    f[0] = __uint_as_float(x.x);
+    f[1] = __uint_as_float(x.y);
+    f[2] = __uint_as_float(x.z);
+    f[3] = __uint_as_float(x.w);
+  }
+}
+
 // A sub-tile of ST cache rows (one KV head, dims padded to HD) in registers, 16 bytes a load,
 // then converted to float into shared memory. Rows >= jend and dims >= hd are zeros.
 template <class C, class KvT>
@@ -185,21 +204,10 @@ struct TileRegs {
       uint4 x = r[i];
       if (fresh != nullptr && j0 + jj >= jnew && j0 + jj < jend)
         x = d < hd ? *reinterpret_cast<const uint4*>(fresh + (int64_t)(j0 + jj - jnew) * hd + d) : make_uint4(0, 0, 0, 0);
-      if (sizeof(KvT) == 2) {
-        const uint32_t w[4] = {x.x, x.y, x.z, x.w};
-        float f[8];
+      float f[VEC];
+      kv_unit_floats<KvT>(x, f);
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const float2 t = __half22float2(*reinterpret_cast<const __half2*>(&w[k]));
-          f[2 * k] = t.x;
-          f[2 * k + 1] = t.y;
-        }
-        *reinterpret_cast<float4*>(dst) = make_float4(f[0], f[1], f[2], f[3]);
-        *reinterpret_cast<float4*>(dst + 4) = make_float4(f[4], f[5], f[6], f[7]);
-      } else {
-        *reinterpret_cast<float4*>(dst) =
-            make_float4(__uint_as_float(x.x), __uint_as_float(x.y), __uint_as_float(x.z), __uint_as_float(x.w));
-      }
+      for (int k = 0; k < VEC; k += 4) *reinterpret_cast<float4*>(dst + k) = make_float4(f[k], f[k + 1], f[k + 2], f[k + 3]);
     }
   }
 };
@@ -699,26 +707,6 @@ __device__ __forceinline__ void dec_wait(int pending) {
 #endif
 }
 
-// One 16-byte unit of a K row as floats.
-template <class KvT>
-__device__ __forceinline__ void unit_floats(const KvT* p, float (&f)[16 / sizeof(KvT)]) {
-  const uint4 x = *reinterpret_cast<const uint4*>(p);
-  if constexpr (sizeof(KvT) == 2) {
-    const uint32_t w[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const float2 t = __half22float2(*reinterpret_cast<const __half2*>(&w[k]));
-      f[2 * k] = t.x;
-      f[2 * k + 1] = t.y;
-    }
-  } else {
-    f[0] = __uint_as_float(x.x);
-    f[1] = __uint_as_float(x.y);
-    f[2] = __uint_as_float(x.z);
-    f[3] = __uint_as_float(x.w);
-  }
-}
-
 // Phase 1 of attn_decode_kernel: query head row qr (qs + r*HD) against K row krow (hu units):
 // the four fmaf chains over the dims, as attn_chunk_kernel's scores.
 template <class D, class KvT>
@@ -727,7 +715,7 @@ __device__ __forceinline__ float dec_score(const KvT* krow, const float* qr, int
 #pragma unroll 2
   for (int u = 0; u < hu; ++u) {
     float kf[D::kVec];
-    unit_floats<KvT>(krow + u * D::kVec, kf);
+    kv_unit_floats<KvT>(*reinterpret_cast<const uint4*>(krow + u * D::kVec), kf);
 #pragma unroll
     for (int e = 0; e < D::kVec; e += 4) {
       const float4 q = *reinterpret_cast<const float4*>(qr + u * D::kVec + e);
