@@ -278,10 +278,10 @@ __device__ __forceinline__ void weighted(const float* S, const float* tile, floa
 // stays small); the same operations either way.
 template <bool kCompact>
 __device__ __forceinline__ void chunk_softmax(float* Sr, int valid, int lane, float* ml) {
-  constexpr int kPer = kChunk / kGroup;
+  constexpr int kPer = kChunk / kGroup, kUnroll = kCompact ? 1 : kPer;
   float sv[kCompact ? 1 : kPer];
   float m = -INFINITY;
-#pragma unroll(kCompact ? 1 : kPer)
+#pragma unroll kUnroll
   for (int k = 0; k < kPer; ++k) {
     const int j = lane + kGroup * k;
     const float x = j < valid ? Sr[j] : -INFINITY;
@@ -290,7 +290,7 @@ __device__ __forceinline__ void chunk_softmax(float* Sr, int valid, int lane, fl
   }
   m = group_max(m);
   float l = 0.f;
-#pragma unroll(kCompact ? 1 : kPer)
+#pragma unroll kUnroll
   for (int k = 0; k < kPer; ++k) {
     const int j = lane + kGroup * k;
     float x;
