@@ -307,6 +307,24 @@ __device__ __forceinline__ void chunk_softmax(float* Sr, int valid, int lane, fl
   }
 }
 
+// The fold's arrival (threadFenceReduction): every thread of the block calls it once its
+// partials are written; true, in every thread, in the last of n blocks to arrive at *count,
+// which it resets to 0 for the next launch. Partials are fenced before the count and must be
+// read from L2 after it (gpu_load_l2). flag: a shared int the block may overwrite.
+__device__ __forceinline__ bool fold_last(int* count, int n, int* flag) {
+  __threadfence();
+  __syncthreads();  // every partial of this block written (and shared memory free)
+  if (threadIdx.x == 0) {
+    const bool last = atomicAdd(count, 1) == n - 1;
+    if (last) *count = 0;  // every other block is done with it: ready for the next launch
+    *flag = last;
+  }
+  __syncthreads();
+  const bool last = *flag != 0;
+  if (last) __threadfence();
+  return last;
+}
+
 // ---- kernels
 
 // One work item: (chunk c, KV head g, row tile) of a launch. Items run chunk-major, so the live
@@ -539,22 +557,11 @@ __global__ void __launch_bounds__(kAttnThreads, C::MINB) attn_chunk_kernel(const
     // ---- fold: the last block done with this (row tile, KV head)'s chunks combines its rows
     // (threadFenceReduction: partials fenced before the count, read from L2 after it)
     const int tile_chunks = min(P.n_chunks - 1, (pos0 + (it.row0 + it.R - 1) / P.group) / kChunk) + 1;
-    if (P.fold && tile_chunks > 1) {
-      int* count = P.counters + (it.row0 / C::RMAX) * P.n_kv + it.g;
-      __threadfence();
-      __syncthreads();  // every partial of this block written (and shared memory free)
-      if (threadIdx.x == 0) {
-        const bool last = atomicAdd(count, 1) == tile_chunks - 1;
-        if (last) *count = 0;  // every other block of the tile is done with it: ready for the next launch
-        row_valid[0] = last;
-      }
-      __syncthreads();
-      if (row_valid[0]) {
-        __threadfence();
-        for (int row = 0; row < it.R; ++row) {
-          const int gr = it.row0 + row;
-          combine_row(P, gr / P.group, it.g * P.group + gr % P.group, smem);
-        }
+    if (P.fold && tile_chunks > 1 &&
+        fold_last(P.counters + (it.row0 / C::RMAX) * P.n_kv + it.g, tile_chunks, row_valid)) {
+      for (int row = 0; row < it.R; ++row) {
+        const int gr = it.row0 + row;
+        combine_row(P, gr / P.group, it.g * P.group + gr % P.group, smem);
       }
     }
   }
@@ -830,11 +837,10 @@ __global__ void __launch_bounds__(kAttnThreads) attn_decode_kernel(const AttnPar
     }
     dec_commit();
   };
-  // Row j (< live) of the chunk, K or V, where it sits now.
-  auto row_of = [&](int j, bool isv) -> const KvT* {
-    if (j == old_end && holds_new) return isv ? fv : fk;
-    const int s = j / kDecST;
-    return ring + (size_t)buf(isv ? ns + s : s) * D::kBufElems + (j % kDecST) * D::kLd;
+  // K row j (< live) of the chunk, where it sits now (phase 3 walks V's buffers itself).
+  auto krow_of = [&](int j) -> const KvT* {
+    if (j == old_end && holds_new) return fk;
+    return ring + (size_t)buf(j / kDecST) * D::kBufElems + (j % kDecST) * D::kLd;
   };
 
   if (P.fuse)
@@ -899,7 +905,7 @@ __global__ void __launch_bounds__(kAttnThreads) attn_decode_kernel(const AttnPar
     const int kg0 = s0 * (kDecST / kGroup), kg1 = min(n_kg, s1 * (kDecST / kGroup));
     for (int it = warp; it < (kg1 - kg0) * R; it += kWarps) {
       const int r = it % R, j = (kg0 + it / R) * kGroup + lane;
-      if (j < live) S[r * kChunk + j] = dec_score<D, KvT>(row_of(j, false), qs + r * HD, hu, P.scale);
+      if (j < live) S[r * kChunk + j] = dec_score<D, KvT>(krow_of(j), qs + r * HD, hu, P.scale);
     }
     if (!all_in) {
       __syncthreads();  // buffer s0 is free
@@ -960,23 +966,10 @@ __global__ void __launch_bounds__(kAttnThreads) attn_decode_kernel(const AttnPar
   }
 
   // ---- fold: the last of this KV head's chunks combines its query heads (as attn_chunk_kernel)
+  // (the flag in ml, read above: fold_last's first barrier orders it)
   const int n_live = min(P.n_chunks - 1, pos0 / kChunk) + 1;
-  if (P.fold && n_live > 1) {
-    int* flag = reinterpret_cast<int*>(ml);  // (ml is read above: the barrier below orders it)
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) {
-      int* count = P.counters + g;
-      const bool last = atomicAdd(count, 1) == n_live - 1;
-      if (last) *count = 0;
-      flag[0] = last;
-    }
-    __syncthreads();
-    if (flag[0]) {
-      __threadfence();
-      for (int r = 0; r < R; ++r) combine_row(P, 0, g * R + r, reinterpret_cast<float*>(smem4));
-    }
-  }
+  if (P.fold && n_live > 1 && fold_last(P.counters + g, n_live, reinterpret_cast<int*>(ml)))
+    for (int r = 0; r < R; ++r) combine_row(P, 0, g * R + r, reinterpret_cast<float*>(smem4));
 }
 
 // ---- host side
@@ -1172,11 +1165,12 @@ void attention(const AttnArgs& a, gpuStream_t s) {
   P.hd = a.head_dim;
   P.n_chunks = (int32_t)nc;
   P.scale = a.scale;
-  // The fused step: one launch of at most kAttnMaxFusedRows queries whose block shape has the
-  // shared memory for the new rows (SPECD_GPU_FUSE_ROPE=0: never, for benchmarks).
+  // One query: attn_decode_kernel where it applies (its launch: r0 = 0, one query).
   P.r0 = 0;
   P.nq = 1;
-  const bool dec = a.n == 1 && launch_decode(P, a.kv_f16, kDryRun);  // one query: attn_decode_kernel
+  const bool dec = a.n == 1 && launch_decode(P, a.kv_f16, kDryRun);
+  // The fused step: one launch of at most kAttnMaxFusedRows queries whose block shape has the
+  // shared memory for the new rows (SPECD_GPU_FUSE_ROPE=0: never, for benchmarks).
   static const bool fuse_off = env_value("SPECD_GPU_FUSE_ROPE") == "0";
   if (a.rope && !fuse_off && a.n <= kAttnMaxFusedRows && nq == a.n) {
     const RopeKvArgs& r = *a.rope;

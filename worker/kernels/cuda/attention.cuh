@@ -10,9 +10,10 @@
 // which lossless speculative decoding needs.
 //
 // One query (decode, n = 1) runs attn_decode_kernel instead where it applies (GQA groups of up
-// to 8, shared memory for a ring of 4 K/V sub-tiles or a whole chunk's): the same arithmetic in the same order, so the same
-// bits, with the work spread for one query and the chunk's cached rows copied before the grid
-// wait (attention.cu). SPECD_GPU_DEC_ATTN=0 keeps decode on the general kernel (benchmarks).
+// to 8, shared memory for a ring of 4 K/V sub-tiles or a whole chunk's): the same arithmetic in
+// the same order, so the same bits, with the work spread for one query and the chunk's cached
+// rows copied before the grid wait (attention.cu). SPECD_GPU_DEC_ATTN=0 keeps decode on the
+// general kernel (benchmarks).
 //
 // Prefills (n > 64 queries) with an fp16 cache and head_dim 64 or 128 on NVIDIA sm_80+ take
 // another kernel instead (attention_tc.cu: FlashAttention-2 on tensor cores, q and the
