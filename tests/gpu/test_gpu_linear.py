@@ -317,9 +317,9 @@ def test_fused_norm_and_swiglu_are_batch_invariant(rng: np.random.Generator) -> 
 
 
 # ---- the direct readers (matvec_direct.cuh): every weight Q4_K / Q6_K or every weight Q8_0
-# (matvec_kq.cu, digits of x; rows must be 16-byte aligned: K a multiple of 2048 for Q6_K, of
-# 256 for Q8_0) or every weight F16 / BF16 (matvec_f16.cu); persistent CTAs taking blocks of
-# 16 rows, tiles of 1, 2 or 4 rows of x
+# (matvec_kq.cu, digits of x; rows of whole 4-byte words: K a multiple of 512 for Q6_K, of 64
+# for Q8_0) or every weight F16 / BF16 (matvec_f16.cu, 16-byte rows); persistent CTAs taking
+# blocks of 16 rows, tiles of 1, 2 or 4 rows of x
 
 DIRECT_CASES = {
     "q4k-k256-many-blocks": ((T.Q4_K,) * 3, 256, (9001, 2250, 33)),
@@ -327,8 +327,12 @@ DIRECT_CASES = {
     "q4k-k12288": ((T.Q4_K,) * 3, 12288, (40, 9, 3)),
     "q6k-k2048-many-blocks": ((T.Q6_K,) * 3, 2048, (7001, 300, 17)),
     "q6k-k12288": ((T.Q6_K,) * 3, 12288, (40, 9, 3)),
+    "q6k-k3072": ((T.Q6_K,) * 3, 3072, (300, 33, 9)),    # 2520-byte rows (8 mod 16): Qwen3-0.6B's down
+    "q6k-k1280": ((T.Q6_K,) * 3, 1280, (40, 9, 3)),      # 1050-byte rows (2 mod 4): the staged reader
     "q4k-q6k-q4k-k4096": ((T.Q4_K, T.Q6_K, T.Q4_K), 4096, (130, 40, 33)),
+    "q4k-q6k-q4k-k1024": ((T.Q4_K, T.Q6_K, T.Q4_K), 1024, (2048, 130, 33)),  # 840-byte Q6_K rows: 0.6B's QKV
     "q8_0-k1024-many-blocks": ((T.Q8_0,) * 3, 1024, (7001, 70, 5)),
+    "q8_0-k576": ((T.Q8_0,) * 3, 576, (300, 9, 3)),      # 612-byte rows (4 mod 16)
     "q8_0-k2304": ((T.Q8_0,) * 3, 2304, (300, 9, 3)),
     "f16-k4096-many-blocks": ((T.F16,) * 3, 4096, (7001, 70, 5)),
     "f16-k1800": ((T.F16,) * 3, 1800, (300, 9, 3)),
@@ -379,7 +383,10 @@ MMA_CASES = {
     "q4k-k2304": ((T.Q4_K,) * 3, 2304, (90, 31, 64)),    # 36 chunks: quads of 5 and 4
     "q6k-k2048": ((T.Q6_K,) * 3, 2048, (17, 5001, 32)),
     "q6k-k4096": ((T.Q6_K,) * 3, 4096, (64, 33, 5)),
+    "q6k-k1024": ((T.Q6_K,) * 3, 1024, (64, 5001, 5)),   # 840-byte rows (8 mod 16)
     "q4k-q6k-q4k-k4096": ((T.Q4_K, T.Q6_K, T.Q4_K), 4096, (130, 40, 33)),  # one launch per type
+    "q4k-q6k-q4k-k1024": ((T.Q4_K, T.Q6_K, T.Q4_K), 1024, (130, 40, 33)),
+    "q8_0-k576": ((T.Q8_0,) * 3, 576, (40, 9, 3)),       # 612-byte rows (4 mod 16)
     "q8_0-k1024": ((T.Q8_0,) * 3, 1024, (70, 5001, 5)),
     "q8_0-k2304": ((T.Q8_0,) * 3, 2304, (40, 9, 3)),
     "q6k-k12288": ((T.Q6_K,) * 3, 12288, (40, 300, 9)),  # x's digits too big for shared memory: read from L2

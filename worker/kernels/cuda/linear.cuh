@@ -16,7 +16,8 @@
 //    CUDA cores (matvec.cu): Q8_0, Q4_K and Q6_K times x rounded per 32-element block to
 //    23-bit integer digits (dp4a, exact integer sums) when tensor_cores is false, float32
 //    FMAs otherwise and for the other types. A call whose weights are all Q4_K / Q6_K (or all
-//    Q8_0), 16-byte aligned, takes the same digits in matvec_kq.cu whatever tensor_cores says
+//    Q8_0), 16-byte aligned data, rows of whole words (Q6_K: K a multiple of 512), takes the
+//    same digits in matvec_kq.cu whatever tensor_cores says
 //    (weights loaded straight into registers, no staging), and from 5 rows of x on NVIDIA
 //    sm_80+ matvec_kq_mma.cu (int8 MMAs: the same exact sums, the same float order, the same
 //    bits; the weights read once per 16 rows of x); all F16 / all BF16 likewise in

@@ -149,12 +149,13 @@ void launch_tile(const typename R::Params& p, size_t smem, gpuStream_t s) {
 
 // What every direct reader needs of a call: SPECD_GPU_DIRECT not "0", an engine that does not
 // speculate (tensor_cores false; any engine with any_engine), n <= kMaxSmallBatch, 16-byte
-// aligned data and rows.
-inline bool applies(const LinearArgs& a, bool any_engine = false) {
+// aligned data and rows a multiple of row_align bytes (a power of two, <= 16; the reader's
+// loads say how much: 16 for 16-byte loads of every row).
+inline bool applies(const LinearArgs& a, bool any_engine = false, size_t row_align = 16) {
   static const bool on = env_value("SPECD_GPU_DIRECT") != "0";
   if (!on || (a.tensor_cores && !any_engine) || a.n > kMaxSmallBatch) return false;
   for (int j = 0; j < a.n_w; ++j)
-    if ((uintptr_t)a.w[j]->data % 16 != 0 || a.w[j]->row_stride % 16 != 0) return false;
+    if ((uintptr_t)a.w[j]->data % 16 != 0 || a.w[j]->row_stride % row_align != 0) return false;
   return true;
 }
 

@@ -8,10 +8,11 @@
 // any alignment, and two thirds of its instructions are that bookkeeping. Here each lane
 // loads the bytes it sums itself: a Q4_K block is 144 = 9 x 16 bytes, so its header (d,
 // dmin, 12 scale bytes) and qs are 16-byte aligned whenever the rows are (three 16-byte
-// loads per chunk); a Q6_K block is 210 bytes, so block b of a 16-byte aligned row starts
-// 2b mod 16 bytes past a 16-byte boundary: its fields (16-byte aligned within the block)
+// loads per chunk); a Q6_K block is 210 bytes, so block b of a row starting on a 4-byte
+// boundary starts 2b mod 4 bytes past one: its fields (16-byte aligned within the block)
 // are read as 4-byte words and re-aligned with one funnel shift per word; a Q8_0 chunk (two
-// 34-byte blocks, 68 bytes) is 4-byte aligned: 17 words.
+// 34-byte blocks, 68 bytes) is 4-byte aligned: 17 words. (Q6_K and Q8_0 rows need only be
+// 4-byte aligned: Qwen3-0.6B's Q6_K rows of 1024 and 3072 are 840 and 2520 bytes.)
 //
 // Work (cuda/matvec_direct.cuh: the kernel shared with matvec_f16.cu): lane l takes the
 // chunks c = l + 32 i of its group's rows, i = 0, 1, ... (a chunk = 64 weights; Q4_K: qs
@@ -189,8 +190,8 @@ struct Kq<GgmlType::Q4_K> {
 };
 
 // Q6_K chunk c = quarter (h, m) of block b = c / 4: ql bytes 64h + 16m and 64h + 32 + 16m
-// (16 each), qh bytes 32h + 16m (16), scales 8h + m + 2k (k < 4) and d. Block b of a 16-byte
-// aligned row starts 2b mod 16 bytes past a 16-byte boundary, so each 16-byte field is 5
+// (16 each), qh bytes 32h + 16m (16), scales 8h + m + 2k (k < 4) and d. Block b of a 4-byte
+// aligned row starts 2b mod 4 bytes past a word boundary, so each 16-byte field is 5
 // aligned words re-aligned by sh = 16 (b % 2) bits (b % 2 = (lane / 4) % 2: fixed per lane).
 template <>
 struct Kq<GgmlType::Q6_K> {
@@ -267,7 +268,7 @@ struct Kq<GgmlType::Q6_K> {
   }
 };
 
-// Q8_0 chunk c = blocks 2c, 2c + 1 (68 bytes from 68c: 4-byte aligned in a 16-byte aligned
+// Q8_0 chunk c = blocks 2c, 2c + 1 (68 bytes from 68c: 4-byte aligned in a 4-byte aligned
 // row): 17 aligned words; block 2c's d and qs start 2 bytes into word 0 (qs re-aligned by a
 // funnel shift of 16 bits), block 2c + 1's d is the high half of word 8 and its qs are words
 // 9 .. 16. Runs = the two blocks (32 elements, scale d).
@@ -408,11 +409,14 @@ struct KqReader {
 
 // Takes the call when the digit reader applies (SPECD_GPU_DIGITS and SPECD_GPU_DIRECT not
 // "0"), every weight is Q4_K or Q6_K (one type for SwiGLU), or every
-// weight Q8_0, with 16-byte aligned rows, n <= 64 and the digits of the largest tile fit the
-// device's shared memory (never a choice by n: batch invariance); returns whether it did.
+// weight Q8_0, with 16-byte aligned data, Q4_K rows a multiple of 16 bytes (always: 144-byte
+// blocks) and Q6_K / Q8_0 rows of 4 (Q6_K: an even number of blocks, K a multiple of 512, as
+// in Qwen3-0.6B's 1024 and 3072; the readers' word offsets assume it), n <= 64 and the digits
+// of the largest tile fit the device's shared memory (never a choice by n: batch
+// invariance); returns whether it did.
 bool kq_linear(const LinearArgs& a, gpuStream_t s) {
   static const bool digits = env_value("SPECD_GPU_DIGITS") != "0";
-  if (!digits || !direct::applies(a, /*any_engine=*/true)) return false;
+  if (!digits || !direct::applies(a, /*any_engine=*/true, /*row_align=*/4)) return false;
   bool q4 = false, q6 = false, q8 = false;
   for (int j = 0; j < a.n_w; ++j) {
     const GgmlType t = a.w[j]->type;
@@ -420,6 +424,7 @@ bool kq_linear(const LinearArgs& a, gpuStream_t s) {
     else if (t == GgmlType::Q6_K) q6 = true;
     else if (t == GgmlType::Q8_0) q8 = true;
     else return false;
+    if (t == GgmlType::Q4_K && a.w[j]->row_stride % 16 != 0) return false;  // (16-byte loads)
   }
   if (q8 && (q4 || q6)) return false;
   if (a.w[0]->n_in % 64 != 0) return false;  // (whole chunks: Q8_0 rows of 32 x odd blocks)
