@@ -3,12 +3,15 @@
 For each model file (given, or generated on the spot by tools/gen_gguf.py with --generate),
 specd's engine on the GPU measures, in a child process of its own (a crash or an out-of-memory
 error is recorded and the next model runs):
-  - decode tok/s: greedy generation (a 64-token random prompt, then 128 `step()`s) and
+  - decode tok/s: greedy generation (a 64-token random prompt, then 128 `step()`s; with the
+    engine's run-ahead, the GPU default, and alternately without it: decode_gen_no_ahead) and
     `bench_forward(1, 64)` (one forward of one position after 64, device-synchronised);
   - prefill tok/s: `bench_forward(n, 0, all_rows=False)` for n in 512, 4096;
   - verify cost: `bench_forward(k, 64)` / `bench_forward(1, 64)` for k in 2, 4, 8, 16, 17, 32
     (k positions, argmax of every row on the device: a speculative verify);
-  - memory (`engine.memory()`) and load time.
+  - memory (`engine.memory()`) and load time;
+  - with --spec K,..: self-speculation (the file as its own draft model: every draft accepted),
+    greedy tok/s and tau per k against plain steps of the same speculating engine.
 Bandwidth floor: a decode step reads every weight once (all matrices and norms, and the
 output head; a tied token_embd counted once, as the head; an untied one not at all: one row is
 gathered), so decode tok/s <= 4.27e12 B/s (the H200's measured copy bandwidth) / those bytes.
@@ -240,29 +243,75 @@ def measure_specd(path: Path, args: argparse.Namespace, res: dict) -> None:
         print(f"  specd: prefill {n}: {res['prefill'][str(n)]['tok_s']:.0f} tok/s", flush=True)
 
     def generate() -> None:
-        """The serving path: greedy steps through Sequence, a host round trip per token."""
+        """The serving path: greedy steps through Sequence, a host round trip per token; with
+        the engine's run-ahead (the default on a GPU: each step queues the returned token's
+        forward) and, as "decode_gen_no_ahead", without it (the same engine, runs alternating)."""
         rng = np.random.default_rng(0)
-        runs = []
+        default = getattr(eng, "run_ahead", None)
+        modes = [("decode_gen", default)] + ([("decode_gen_no_ahead", False)] if default else [])
+        runs: dict[str, list] = {key: [] for key, _ in modes}
         for r in range(args.gen_repeats + 1):  # the first run warms up
-            seq = eng.new_sequence()
-            seq.set_sampling({"temperature": 0})
-            prompt = rng.integers(0, eng.n_vocab, PROMPT)
-            t_a = time.perf_counter()
-            seq.prefill(prompt)
-            t_b = time.perf_counter()
-            seq.step()  # sampled from the prefill logits: no forward
-            steps = 1
-            t_c = time.perf_counter()
-            while steps < (args.gen if r else 16):
-                seq.step()
-                steps += 1
-            t_d = time.perf_counter()
-            seq.close()
-            if r:
-                runs.append({"prompt_s": t_b - t_a, "decode_tok_s": (steps - 1) / (t_d - t_c)})
-        res["decode_gen"] = {"tokens": args.gen, "prompt": PROMPT, "runs": runs,
-                             "tok_s": statistics.median(x["decode_tok_s"] for x in runs)}
-        print(f"  specd: greedy decode {res['decode_gen']['tok_s']:.1f} tok/s", flush=True)
+            for key, ahead in modes:
+                if ahead is not None:
+                    eng.run_ahead = ahead
+                seq = eng.new_sequence()
+                seq.set_sampling({"temperature": 0})
+                prompt = rng.integers(0, eng.n_vocab, PROMPT)
+                t_a = time.perf_counter()
+                seq.prefill(prompt)
+                t_b = time.perf_counter()
+                seq.step()  # sampled from the prefill logits: no forward
+                steps = 1
+                t_c = time.perf_counter()
+                while steps < (args.gen if r else 16):
+                    seq.step()
+                    steps += 1
+                t_d = time.perf_counter()
+                seq.close()
+                if r:
+                    runs[key].append({"prompt_s": t_b - t_a, "decode_tok_s": (steps - 1) / (t_d - t_c)})
+        if default is not None:
+            eng.run_ahead = default
+        for key, ahead in modes:
+            res[key] = {"tokens": args.gen, "prompt": PROMPT, "run_ahead": ahead, "runs": runs[key],
+                        "tok_s": statistics.median(x["decode_tok_s"] for x in runs[key])}
+        plain = res.get("decode_gen_no_ahead", {}).get("tok_s")
+        print(f"  specd: greedy decode {res['decode_gen']['tok_s']:.1f} tok/s"
+              + (f" (without run-ahead {plain:.1f})" if plain else ""), flush=True)
+
+    def speculate() -> None:
+        """Self-speculation (--spec): the same file loaded again as the draft model, so every
+        draft is accepted (up to the target's tensor-core numerics on F16): the most a draft
+        of this cost can give. Greedy through Sequence in an engine that speculates (its target
+        reads F16 on tensor cores, its draft on the CUDA cores), plain steps (k = 0) and each
+        k: tok/s and tau (tokens per target forward)."""
+        rng = np.random.default_rng(1)
+        out: dict = {}
+        with Engine(mf, draft_model=open_model(path), **kwargs) as se:
+            for k in [0, *args.spec]:
+                runs = []
+                for r in range(args.gen_repeats + 1):  # the first run warms up
+                    seq = se.new_sequence()
+                    seq.set_sampling({"temperature": 0})
+                    if k:
+                        seq.set_speculation("draft", k)
+                    seq.prefill(rng.integers(0, se.n_vocab, PROMPT))
+                    seq.step()  # from the prefill logits: no forward
+                    made = 0
+                    t0 = time.perf_counter()
+                    while made < (args.gen if r else 16):
+                        made += len(seq.step())
+                    dt = time.perf_counter() - t0
+                    st = seq.stats()
+                    seq.close()
+                    if r:
+                        runs.append({"tokens": made, "tok_s": made / dt,
+                                     "tau": st["spec_tokens"] / st["spec_steps"] if st["spec_steps"] else 1.0})
+                out[str(k)] = {"runs": runs, "tok_s": statistics.median(x["tok_s"] for x in runs),
+                               "tau": statistics.median(x["tau"] for x in runs)}
+                print(f"  specd: self-speculation k={k}: {out[str(k)]['tok_s']:.1f} tok/s, "
+                      f"tau {out[str(k)]['tau']:.2f}", flush=True)
+        res["self_speculation"] = out
 
     if hasattr(eng, "memory"):
         phase("memory", memory)
@@ -275,6 +324,8 @@ def measure_specd(path: Path, args: argparse.Namespace, res: dict) -> None:
     if not args.forward_only:
         phase("generate", generate)
     eng.close()
+    if args.spec and not args.forward_only:
+        phase("speculate", speculate)
 
 
 def child_main(args: argparse.Namespace) -> int:
@@ -391,6 +442,7 @@ def summarize(row: dict, prefill: list[int]) -> None:
     s, l, floor = row.get("specd", {}), row.get("llama", {}), row["floor_tok_s"]
     h = {
         "decode_gen_tok_s": s.get("decode_gen", {}).get("tok_s"),
+        "decode_gen_no_ahead_tok_s": s.get("decode_gen_no_ahead", {}).get("tok_s"),
         "decode_fwd_tok_s": s.get("decode_forward", {}).get("tok_s"),
         "llama_decode_tok_s": l.get("decode", {}).get("tok_s"),
         "verify_cost_16": s.get("verify_cost", {}).get("16"),
@@ -507,6 +559,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--gen", type=int, default=128, help="greedy tokens to decode")
     ap.add_argument("--prefill", default="512,4096", help="prefill lengths (comma-separated)")
     ap.add_argument("--verify", default="2,4,8,16,17,32", help="verify widths k (comma-separated)")
+    ap.add_argument("--spec", default="", help="self-speculation draft lengths k (comma-separated; none: skipped)")
     ap.add_argument("--max-batch", type=int, default=512, help="specd positions per prefill chunk (llama.cpp ubatch)")
     ap.add_argument("--reps-decode", type=int, default=50)
     ap.add_argument("--reps-verify", type=int, default=20)
@@ -525,6 +578,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     args.prefill = [int(x) for x in args.prefill.split(",") if x]
     args.verify = [int(x) for x in args.verify.split(",") if x]
+    args.spec = [int(x) for x in args.spec.split(",") if x]
     variants = {}
     for v in args.variant:
         name, _, settings = v.partition(":")

@@ -117,9 +117,13 @@ class Engine:
     with that GPU backend; a draft model runs on the same device), tensor_cores (GPU: decode
     and verify forwards read F16 weights on tensor cores, so verifying k+1 positions costs
     about one decode step while one plain step costs ~15 % more; None = on when a draft model
-    is given, i.e. for an engine that speculates). A file whose tensors do not match its
-    metadata, or a draft whose vocabulary differs, raises ModelLoadError; bad options raise
-    InvalidRequestError.
+    is given, i.e. for an engine that speculates), run_ahead (when step() returns a greedy
+    token computed on the device, it queues that token's forward before returning, so the
+    device works while the caller streams the token; the next step() only waits for it. None
+    = on for GPU devices; True also on the CPU, where the forward then runs inside the
+    returning step: for tests; the tokens are the same either way). A file whose tensors do
+    not match its metadata, or a draft whose vocabulary differs, raises ModelLoadError; bad
+    options raise InvalidRequestError.
     """
 
     def __init__(
@@ -133,17 +137,20 @@ class Engine:
         draft_model: ModelFile | None = None,
         device: str = "cpu",
         tensor_cores: bool | None = None,
+        run_ahead: bool | None = None,
     ) -> None:
         check_device(device)
-        if tensor_cores is not None and not isinstance(tensor_cores, bool):
-            raise InvalidRequestError(f"tensor_cores must be True, False or None, got {tensor_cores!r}")
+        for name, flag in (("tensor_cores", tensor_cores), ("run_ahead", run_ahead)):
+            if flag is not None and not isinstance(flag, bool):
+                raise InvalidRequestError(f"{name} must be True, False or None, got {flag!r}")
         if kv_type not in KV_TYPES:
             raise InvalidRequestError(f"kv_type must be one of {', '.join(KV_TYPES)}, got {kv_type!r}")
         for name, value, low in (("n_ctx", n_ctx, 1), ("n_threads", n_threads, 1), ("max_batch", max_batch, 1)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
                 raise InvalidRequestError(f"{name} must be an integer >= {low}, got {value!r}")
         options: dict[str, Any] = {"kv_type": kv_type, "max_batch": max_batch, "device": device,
-                                   "tensor_cores": draft_model is not None if tensor_cores is None else tensor_cores}
+                                   "tensor_cores": draft_model is not None if tensor_cores is None else tensor_cores,
+                                   "run_ahead": -1 if run_ahead is None else int(run_ahead)}
         if n_ctx is not None:
             options["n_ctx"] = n_ctx
         if n_threads is not None:
@@ -187,6 +194,17 @@ class Engine:
         cache (device-synchronised). all_rows: every row's argmax on the device, as a greedy
         speculative verify; else a prefill (max_batch chunks, last row's logits only)."""
         return list(self._engine().bench_forward(int(n_tokens), int(pos0), int(reps), bool(all_rows)))
+
+    @property
+    def run_ahead(self) -> bool:
+        """Whether greedy steps queue their token's forward before returning (the option)."""
+        return bool(self._engine().run_ahead)
+
+    @run_ahead.setter
+    def run_ahead(self, on: bool) -> None:
+        if not isinstance(on, bool):
+            raise InvalidRequestError(f"run_ahead must be True or False, got {on!r}")
+        self._engine().run_ahead = on
 
     def memory(self) -> dict[str, Any]:
         """Bytes of weights, KV caches and scratch, and the device's total/free memory."""

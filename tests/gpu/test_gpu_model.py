@@ -246,3 +246,50 @@ def test_sampling_after_device_greedy_reads_the_kept_logits(tmp_path):
         ref.prefill(prompt + out[:4])
         ref.set_sampling({"temperature": 1.0, "seed": 3})
         assert got == ref.step()
+
+
+@pytest.mark.parametrize("weight_type", ["Q8_0", "F16"])
+def test_run_ahead_changes_nothing_a_caller_sees(tmp_path, weight_type):
+    """A GPU engine queues each greedy step's forward as step() returns the token (run-ahead,
+    on by default): two sequences stepping in turn, prefill after greedy steps, truncate(n_past)
+    then sampling from the kept logits (the queued forward wrote the other logits buffer),
+    closing a sequence with a forward queued, and the end of the context give the same tokens,
+    logits and errors as an engine without it."""
+    from worker.engine import Engine, EngineError
+    from worker.model_file import open_model
+
+    path = _model(tmp_path, f"ahead_{weight_type}", weight_type, arch="qwen3")
+    rng = np.random.default_rng([SEED, 6])
+    prompt = [int(t) for t in rng.integers(0, 300, size=21)]
+
+    def script(eng) -> list:
+        out: list = []
+        a, b = eng.new_sequence(), eng.new_sequence()
+        a.prefill(prompt)
+        b.prefill(prompt[:5])
+        for s in (a, b):
+            s.set_sampling({"temperature": 0})
+        for _ in range(6):
+            out.append(("a", a.step(), a.n_past))
+            out.append(("b", b.step(), b.n_past))
+        out.append(("a+", np.asarray(a.prefill(prompt[:3])).tobytes(), a.n_past))
+        out.append(("a", [t for _ in range(4) for t in a.step()], a.n_past))
+        a.truncate(a.n_past)
+        a.set_sampling({"temperature": 2.0, "seed": 7})
+        out.append(("a~", a.step() + a.step(), a.n_past))
+        b.close()
+        c = eng.new_sequence()
+        c.prefill((prompt * 4)[: eng.n_ctx - 3])
+        c.set_sampling({"temperature": 0})
+        out.append(("c", [t for _ in range(4) for t in c.step()], c.n_past))
+        with pytest.raises(EngineError, match="context length exceeded"):
+            c.step()
+        a.close()
+        c.close()
+        return out
+
+    with Engine(open_model(path), device=_device(), n_ctx=64, run_ahead=False) as eng:
+        plain = script(eng)
+    with Engine(open_model(path), device=_device(), n_ctx=64) as eng:
+        ahead = script(eng)
+    assert ahead == plain

@@ -44,9 +44,12 @@ def model():
     return open_model(demo_path())
 
 
-@pytest.fixture(scope="module")
-def engine(model):
-    with Engine(model, n_threads=2, n_ctx=512) as eng:
+@pytest.fixture(scope="module", params=[False, True], ids=["plain", "run-ahead"])
+def engine(model, request):
+    # Every protocol test runs twice: the second engine queues each greedy step's forward as
+    # it returns the token (EngineOptions::run_ahead; on the CPU the forward runs inside the
+    # returning step), which must change nothing a caller can see.
+    with Engine(model, n_threads=2, n_ctx=512, run_ahead=request.param) as eng:
         yield eng
 
 
@@ -304,3 +307,44 @@ def test_sequences_are_independent(engine, prompt) -> None:
     np.testing.assert_allclose(got, expect, rtol=0, atol=BATCH_ATOL)
     a.close()
     b.close()
+
+
+def test_run_ahead_changes_nothing_a_caller_sees(model, prompt) -> None:
+    # The same script on an engine without and with run-ahead: two sequences stepping in
+    # turn (each step of one settles the other's queued forward), prefill after greedy steps
+    # (the queued forward is dropped and the pending token forwarded with the chunk),
+    # truncate(n_past) then sampling (the kept logits, not the dropped forward's), closing a
+    # sequence with a forward queued, and the last position of the context (nothing queued
+    # past it: the overflow error comes at the same step).
+    def script(eng: Engine) -> list:
+        out: list = []
+        a, b = eng.new_sequence(), eng.new_sequence()
+        a.prefill(prompt)
+        b.prefill(CAPITAL_OF_FRANCE)
+        a.set_sampling({"temperature": 0.0})
+        b.set_sampling({"temperature": 0.0})
+        for _ in range(4):
+            out.append(("a", a.step(), a.n_past))
+            out.append(("b", b.step(), b.n_past))
+        out.append(("a+", np.round(a.prefill(prompt[:3]), 3).tolist()[:50], a.n_past))
+        out.append(("a", greedy(a, 3), a.n_past))
+        a.truncate(a.n_past)  # drops only the pending token: the logits stay
+        a.set_sampling({"temperature": 1.0, "seed": 7})
+        out.append(("a~", a.step() + a.step(), a.n_past))
+        b.close()  # with its forward queued
+        c = eng.new_sequence()
+        c.prefill((prompt * 2)[: eng.n_ctx - 3])
+        c.set_sampling({"temperature": 0.0})
+        out.append(("c", c.step() + c.step() + c.step() + c.step(), c.n_past))
+        with pytest.raises(EngineError, match="context length exceeded"):
+            c.step()
+        out.append(("c", c.stats()["n_past"], c.stats()["n_generated"]))
+        a.close()
+        c.close()
+        return out
+
+    with Engine(model, n_threads=2, n_ctx=64, run_ahead=False) as eng:
+        plain = script(eng)
+    with Engine(model, n_threads=2, n_ctx=64, run_ahead=True) as eng:
+        ahead = script(eng)
+    assert ahead == plain

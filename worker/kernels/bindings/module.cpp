@@ -268,6 +268,7 @@ PYBIND11_MODULE(_specd, m) {
              opt.max_batch = get_or<int64_t>(options, "max_batch", opt.max_batch);
              opt.device = get_or<std::string>(options, "device", opt.device);
              opt.tensor_cores = get_or<bool>(options, "tensor_cores", opt.tensor_cores);
+             opt.run_ahead = get_or<int32_t>(options, "run_ahead", opt.run_ahead);
              {
                py::gil_scoped_release nogil;
                pe->engine = std::make_unique<Engine>(cfg, refs, opt);
@@ -283,6 +284,12 @@ PYBIND11_MODULE(_specd, m) {
 
       .def_property_readonly("n_ctx", [](PyEngine& e) { return e.engine->n_ctx(); })
       .def_property_readonly("device", [](PyEngine& e) { return e.engine->device(); })
+      .def_property(
+          "run_ahead", [](PyEngine& e) { return e.engine->run_ahead(); },
+          [](PyEngine& e, bool on) {
+            py::gil_scoped_release nogil;
+            e.engine->set_run_ahead(on);
+          })
       .def(
           "bench_forward",
           [](PyEngine& e, int64_t n, int64_t pos0, int32_t reps, bool all_rows) {

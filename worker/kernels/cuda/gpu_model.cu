@@ -89,28 +89,32 @@ class GpuKv final : public KvStore {
   ~GpuKv() override { drop_graphs(); }
 
   int64_t n_ctx() const override { return n_ctx_; }
-  size_t bytes() const override { return k_.size() + v_.size() + logits_.size(); }
+  size_t bytes() const override { return k_.size() + v_.size() + logits_[0].size() + logits_[1].size(); }
   bool f16() const { return f16_; }
   void* k(int32_t l) const { return k_.get<uint8_t>() + (size_t)l * layer_bytes_; }
   void* v(int32_t l) const { return v_.get<uint8_t>() + (size_t)l * layer_bytes_; }
 
-  // Device logits rows of the last small forward; growing it invalidates the graphs.
-  float* logits(int64_t rows, int64_t nv) {
+  // Device logits rows of the last small forward, in one of two buffers: `cur`, the one
+  // read_logits reads, which a forward overwrites; a forward queued ahead (start_argmax)
+  // writes the other, so that dropping it leaves the sequence's logits as they were, and
+  // keeping it (keep_ahead) makes that one current. Growing a buffer invalidates the graphs.
+  float* logits(int slot, int64_t rows, int64_t nv) {
     const size_t need = sizeof(float) * (size_t)(rows * nv);
-    if (need > logits_.size()) {
+    if (need > logits_[slot].size()) {
       drop_graphs();
-      logits_.resize(need);
+      logits_[slot].resize(need);
     }
-    return logits_.get<float>();
+    return logits_[slot].get<float>();
   }
-  const float* logits_ptr() const { return logits_.get<float>(); }
-  int64_t device_rows = 0;  // rows of logits_ valid for read_logits
+  const float* logits_ptr() const { return logits_[cur].get<float>(); }
+  int cur = 0;
+  int64_t device_rows = 0;  // rows of logits_[cur] valid for read_logits
 
   struct Graph {
     gpuGraphExec_t exec = nullptr;
     uint64_t epoch = 0;
   };
-  std::map<int64_t, Graph> graphs;  // key: n * 4 + head
+  std::map<int64_t, Graph> graphs;  // key: (n * 4 + head) * 2 + logits buffer
   void drop_graphs() {
     for (auto& g : graphs)
       if (g.second.exec) (void)gpuGraphExecDestroy(g.second.exec);
@@ -121,7 +125,7 @@ class GpuKv final : public KvStore {
   int64_t n_ctx_;
   bool f16_;
   size_t layer_bytes_ = 0;
-  DeviceBuffer k_, v_, logits_;
+  DeviceBuffer k_, v_, logits_[2];
 };
 
 class GpuModel final : public ForwardModel {
@@ -245,6 +249,27 @@ class GpuModel final : public ForwardModel {
     kv.last_rows = n;
   }
 
+  // Run-ahead: the decode step is queued (its argmax copied to pinned memory behind it) and
+  // start_argmax returns; its logits go to the KV store's other buffer.
+  bool queues_forwards() const override { return true; }
+  void start_argmax(KvStore& kvs, int32_t token, int64_t pos0) const override {
+    GpuKv& kv = cast(kvs);
+    run(kv, &token, 1, pos0, Head::All, nullptr, /*argmax=*/true, /*ahead=*/true);
+    SPECD_GPU_CHECK(gpuMemcpyAsync(staging_.tops, tops_.get(), sizeof(int32_t), gpuMemcpyDeviceToHost, stream_));
+  }
+  int32_t finish_argmax(KvStore& kvs) const override {
+    cast(kvs);
+    SPECD_GPU_CHECK(gpuSetDevice(index_));
+    SPECD_GPU_CHECK(gpuStreamSynchronize(stream_));
+    return staging_.tops[0];
+  }
+  void keep_ahead(KvStore& kvs) const override {
+    GpuKv& kv = cast(kvs);
+    kv.cur = 1 - kv.cur;
+    kv.device_rows = 1;
+    kv.last_rows = 1;
+  }
+
   void read_logits(const KvStore& kvs, int64_t row, float* out) const override {
     const GpuKv& kv = cast(const_cast<KvStore&>(kvs));
     SPECD_CHECK(row >= 0 && row < kv.device_rows, "read_logits: row " + std::to_string(row) +
@@ -323,8 +348,10 @@ class GpuModel final : public ForwardModel {
 
   // Enqueues the forward of tokens at pos0.. on the stream (no synchronisation) and returns
   // the device logits: [n or 1, n_vocab] (kv-owned for small n, model scratch for large n).
+  // ahead (a small forward with every row's logits): they go to the KV store's buffer that
+  // is not current (keep_ahead makes it current).
   const float* run(GpuKv& kv, const int32_t* tokens, int64_t n, int64_t pos0, Head head,
-                   const HiddenCapture* capture, bool argmax = false) const {
+                   const HiddenCapture* capture, bool argmax = false, bool ahead = false) const {
     const ModelConfig& c = config();
     SPECD_CHECK(n > 0, "forward needs at least one token");
     SPECD_CHECK(pos0 >= 0 && pos0 + n <= kv.n_ctx(),
@@ -341,14 +368,18 @@ class GpuModel final : public ForwardModel {
                         std::to_string(c.n_layers - 1));
     }
     if (argmax) SPECD_CHECK(head == Head::All, "argmax needs every row's logits");
+    if (ahead) SPECD_CHECK(head == Head::All && n <= gpu::kMaxSmallBatch && capture == nullptr,
+                           "a forward ahead is small, with every row's logits");
     SPECD_GPU_CHECK(gpuSetDevice(index_));
     reserve(n, kv.n_ctx());
     const bool small = n <= gpu::kMaxSmallBatch;
     const int64_t nv = c.n_vocab, head_rows = head == Head::All ? n : 1;
     float* logits = nullptr;
+    int slot = kv.cur;
     if (head != Head::None) {
       if (small) {
-        logits = kv.logits(head_rows, nv);
+        slot = ahead ? 1 - kv.cur : kv.cur;
+        logits = kv.logits(slot, head_rows, nv);
       } else {
         const size_t need = sizeof(float) * (size_t)(head_rows * nv);
         if (need > big_logits_.size()) big_logits_.resize(need);
@@ -360,9 +391,9 @@ class GpuModel final : public ForwardModel {
     std::memcpy(staging_.host + kTok0, tokens, sizeof(int32_t) * (size_t)n);
     SPECD_GPU_CHECK(gpuMemcpyAsync(inputs_.get(), staging_.host, sizeof(int32_t) * (size_t)(kTok0 + n),
                                    gpuMemcpyHostToDevice, stream_));
-    kv.device_rows = 0;
+    if (!ahead) kv.device_rows = 0;
     if (small && capture == nullptr) {
-      const int64_t key = n * 4 + (int64_t)head;
+      const int64_t key = (n * 4 + (int64_t)head) * 2 + slot;
       GpuKv::Graph& g = kv.graphs[key];
       if (g.exec == nullptr || g.epoch != epoch_) {
         if (g.exec) (void)gpuGraphExecDestroy(g.exec);
@@ -386,7 +417,7 @@ class GpuModel final : public ForwardModel {
     } else {
       enqueue(kv, n, head, logits, capture, head == Head::All);
     }
-    if (small && head != Head::None) kv.device_rows = head_rows;
+    if (small && head != Head::None && !ahead) kv.device_rows = head_rows;
     return logits;
   }
 

@@ -39,8 +39,9 @@
 // the same 8 up rows per m-tile) times all n <= 8 * NT rows of x; its 8 warps split K by
 // units as above, and their partial sums meet in shared memory. The CTAs are persistent (as
 // many as fit the device at once, CTA b takes tiles b, b + grid, ...): they stream their
-// tiles' weight bytes through one ring of 3 shared-memory stages (cp.async, ~0.5 KiB per row
-// and stage, two stages in flight, the ring running on across tile boundaries), and prepare
+// tiles' weight bytes through one ring of 3 shared-memory stages (cp.async, ~0.3-1 KiB per row
+// and stage, F16 16 units by default, two stages in flight, the ring running on across tile
+// boundaries), and prepare
 // x once: f_r for every row (K cut into clamp(K / 1024, 1, 8) slices, each summed by one warp
 // in a fixed butterfly order, the slices added in order: it depends on K only), and, where n
 // rows of converted x fit in 96 KiB of shared memory (one decode row up to K ~ 23k), the
@@ -80,6 +81,7 @@ struct TcParams : LinParams {
   // the unit sums) before the K loop; 0: every warp converts the x of its units as it goes.
   // Same arithmetic either way (x_frag), so the choice never changes a result.
   int32_t xstage = 0;
+  int32_t f16_units = 8;  // K units per weight stage of F16 rows (8, 16 or 32: tc_f16_units())
   int32_t n_tiles = 0;  // tiles of 16 * MT weight rows (the old CTAs; cta0 counts them)
   int32_t pitch = 0;    // shared bytes of a staged row: the widest of the call's types
   int32_t red_off = 0;  // shared-memory offsets of the partial sums and the staged x
@@ -97,13 +99,15 @@ constexpr size_t kXStageMax = 96 << 10;  // largest staged x (with the weight st
 
 // ---- weight staging: the CTA copies the bytes of its 16 * MT weight rows into shared memory
 // (cp.async, kStages buffers, two stages in flight while one is read), stage_units(T) units of
-// K per stage: ~0.5 KiB per row, so a CTA has ~30 KiB in flight. Read straight from global
+// K per stage: ~0.3-1 KiB per row, so a CTA has ~20-60 KiB in flight. Read straight from global
 // memory a unit at a time, the quantized rows had too few bytes in flight to reach the
 // bandwidth (small loads, one unit ahead).
 constexpr int kStages = 3;
-// K units per stage (a multiple of 8: stages start at super-block boundaries).
-__host__ __device__ constexpr int stage_units(GgmlType t) {
-  return t == GgmlType::F16 ? 8 : t == GgmlType::Q4_K ? 32 : 16;
+// K units per stage (a multiple of 8: stages start at super-block boundaries; for F16 the
+// call's TcParams::f16_units). Warp w takes the units w, w + 8, ... of every stage, so the
+// stage size changes which barrier a unit waits behind, never the order of a row's sums.
+__host__ __device__ constexpr int stage_units(GgmlType t, int f16_units) {
+  return t == GgmlType::F16 ? f16_units : t == GgmlType::Q4_K ? 32 : 16;
 }
 // bytes of 8 units (256 elements) of a row
 __host__ __device__ constexpr int unit8_bytes(GgmlType t) {
@@ -113,8 +117,8 @@ __host__ __device__ constexpr int unit8_bytes(GgmlType t) {
 __host__ __device__ constexpr int64_t units_bytes(GgmlType t, int64_t units) { return units * unit8_bytes(t) / 8; }
 // shared bytes of a staged row: one spare 16-byte chunk, as a copy starts at the 16-byte
 // boundary below the row's bytes
-__host__ __device__ constexpr int stage_pitch(GgmlType t) {
-  return 16 * ((int)(units_bytes(t, stage_units(t)) + 15) / 16 + 1);
+__host__ __device__ constexpr int stage_pitch(GgmlType t, int f16_units) {
+  return 16 * ((int)(units_bytes(t, stage_units(t, f16_units)) + 15) / 16 + 1);
 }
 
 #if SPECD_MMA
@@ -318,8 +322,8 @@ __device__ __forceinline__ const uint8_t* slot_row(const TcParams& p, const Tile
   const int64_t o = swiglu ? tl.o0 + 8 * mt + gg : tl.o0 + 16 * mt + 8 * h + gg;
   return w->data + (size_t)min(o, w->n_out - 1) * w->stride;
 }
-__device__ __forceinline__ int64_t stages_of(GgmlType t, int64_t n_units) {
-  return (n_units + stage_units(t) - 1) / stage_units(t);
+__device__ __forceinline__ int64_t stages_of(GgmlType t, int64_t n_units, int f16_units) {
+  return (n_units + stage_units(t, f16_units) - 1) / stage_units(t, f16_units);
 }
 
 // The K loop of one tile of weights of type T: stages q0 .. q0 + n_st - 1 of the CTA's ring,
@@ -332,8 +336,9 @@ __device__ __forceinline__ void tile_body(const TcParams& p, const Tile& tl, int
   using R = TcRow<T>;
   const int lane = threadIdx.x % kGroup, warp = threadIdx.x / kGroup, g = lane / 4, c = lane % 4;
   const int64_t K = p.K, n = p.n, n_units = K / kUnit;
-  constexpr int kRows = 16 * MT, kCols = 8 * NT, kUps = stage_units(T);
-  constexpr int64_t kSb = units_bytes(T, kUps);
+  constexpr int kRows = 16 * MT, kCols = 8 * NT;
+  const int ups = stage_units(T, p.f16_units);
+  const int64_t sb = units_bytes(T, ups);
   const int xo[2] = {x_off(c, 0), x_off(c, 1)};
   const uint8_t* rp[MT][2];  // the lane's rows g and g + 8 of each m-tile (SwiGLU: gate row, up row)
 #pragma unroll
@@ -354,24 +359,24 @@ __device__ __forceinline__ void tile_body(const TcParams& p, const Tile& tl, int
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[mt][t][i] = 0.f;
 
-  const int64_t n_st = stages_of(T, n_units);
+  const int64_t n_st = stages_of(T, n_units, p.f16_units);
   for (int64_t st = 0; st < n_st; ++st, ++q) {
     cp_async_wait<kStages - 2>();  // ring stage q has landed (this thread's copies)
     __syncthreads();               // ... everyone's; and stage q - 1's buffer is free again
     issue();
     const uint8_t* buf = stg + (size_t)(q % kStages) * kRows * pitch;
     // warp w: units w, w + 8, ... of the stage (so over the stages w, w + 8, w + 16, ... of K)
-#pragma unroll
-    for (int i = 0; i < kUps / kWarps; ++i) {
+#pragma unroll 1
+    for (int i = 0; i < ups / kWarps; ++i) {
       const int ul = warp + kWarps * i;
-      const int64_t u = st * kUps + ul;
+      const int64_t u = st * ups + ul;
       if (u >= n_units) break;
       typename R::Raw raw[MT][2];
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const uint8_t* start = rp[mt][h] + st * kSb;
+          const uint8_t* start = rp[mt][h] + st * sb;
           R::fetch(buf + (16 * mt + 8 * h + g) * pitch + ((uintptr_t)start & 15), ul, c, raw[mt][h]);
         }
       // B fragments of every n-tile: x row 8t + g at the lane's elements of MMA 0 and 1; for
@@ -498,13 +503,14 @@ __global__ void __launch_bounds__(kThreads, NT >= 4 ? 1 : 2) tc_kernel(const TcP
     crow = slot_row(p, tl, cslot, w);
     cend = w->data + (size_t)w->n_out * w->stride;
     ctype = tl.w0->type;
-    cn_st = stages_of(ctype, n_units);
-    csb = units_bytes(ctype, stage_units(ctype));
+    cn_st = stages_of(ctype, n_units, p.f16_units);
+    csb = units_bytes(ctype, stage_units(ctype, p.f16_units));
     cst = 0;
   };
   auto issue = [&]() {
     if (ct < p.n_tiles) {
-      const int64_t units = min((int64_t)stage_units(ctype), n_units - cst * stage_units(ctype));
+      const int64_t ups = stage_units(ctype, p.f16_units);
+      const int64_t units = min(ups, n_units - cst * ups);
       const int64_t bytes = units_bytes(ctype, units);
       uint8_t* dst = stg + ((size_t)(qi % kStages) * kRows + cslot) * pitch;
       const uint8_t* start = crow + cst * csb;
@@ -646,24 +652,33 @@ __global__ void __launch_bounds__(kThreads, NT >= 4 ? 1 : 2) tc_kernel(const TcP
 
 constexpr size_t red_smem(int mt, int nt) { return sizeof(float) * (size_t)kWarps * 16 * mt * 8 * nt; }
 // The widest staged row of the call's types, and of any call.
-int call_pitch(const LinearArgs& a) {
+int call_pitch(const LinearArgs& a, int f16_units) {
   int b = 16;
-  for (int j = 0; j < a.n_w; ++j) b = std::max(b, stage_pitch(a.w[j]->type));
+  for (int j = 0; j < a.n_w; ++j) b = std::max(b, stage_pitch(a.w[j]->type, f16_units));
   return b;
 }
-constexpr int kMaxPitch = std::max(std::max(stage_pitch(GgmlType::F16), stage_pitch(GgmlType::Q8_0)),
-                                   std::max(stage_pitch(GgmlType::Q4_K), stage_pitch(GgmlType::Q6_K)));
+constexpr int kMaxF16Units = 32;
+constexpr int kMaxPitch = std::max(std::max(stage_pitch(GgmlType::F16, kMaxF16Units), stage_pitch(GgmlType::Q8_0, 8)),
+                                   std::max(stage_pitch(GgmlType::Q4_K, 8), stage_pitch(GgmlType::Q6_K, 8)));
+// The kernel's static shared memory (fac, unscale, part), and what is left for the dynamic.
+constexpr size_t kTcStatic = sizeof(float) * (2 * kMaxSmallBatch + kWarps * kMaxSmallBatch * 2);
+size_t tc_room() { return dev_limits().smem_per_block - kTcStatic; }
+// Shared bytes of a launch: the weight stages, the partial sums, the staged x.
+size_t tc_smem(int mt, int nt, int pitch, bool xstage, int64_t n, int64_t K) {
+  return (size_t)kStages * 16 * mt * pitch + red_smem(mt, nt) + (xstage ? xstage_bytes(n, K / kUnit) : 0);
+}
 
 template <int MT, int NT>
 void launch_tc(TcParams& p, gpuStream_t s) {
   static std::once_flag once;
   std::call_once(once, [] {
-    const size_t most = (size_t)kStages * 16 * MT * kMaxPitch + red_smem(MT, NT) + kXStageMax;
+    const size_t most = std::min((size_t)kStages * 16 * MT * kMaxPitch + red_smem(MT, NT) + kXStageMax,
+                                 tc_room());
     SPECD_GPU_CHECK(gpuFuncSetAttribute((tc_kernel<MT, NT>), gpuFuncAttributeMaxDynamicSharedMemorySize, (int)most));
   });
   p.red_off = kStages * 16 * MT * p.pitch;
   p.xst_off = p.red_off + (int32_t)red_smem(MT, NT);
-  const size_t smem = (size_t)p.xst_off + (p.xstage ? xstage_bytes(p.n, p.K / kUnit) : 0);
+  const size_t smem = tc_smem(MT, NT, p.pitch, p.xstage, p.n, p.K);
   // as many CTAs as fit on the device at once, at most one per tile
   int per_sm = 0;
   SPECD_GPU_CHECK(gpuOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, (tc_kernel<MT, NT>), kThreads, smem));
@@ -688,6 +703,16 @@ void launch_tc(TcParams& p, int nt, gpuStream_t s) {
 // quantized readers spend more instructions per weight than the CUDA cores do, see above).
 // So F16 only, and only for engines that speculate.)
 enum class TcMode { Option, Off, F16, All };
+
+// K units per stage of F16 weights: SPECD_GPU_TC_F16_UNITS (8, 16 or 32; read once), else 16
+// (H200, 0.6B F16 decode: 762 tok/s against 685 with 8; bench/results/..._20261201_tc-f16-units).
+int tc_f16_units() {
+  static const int u = [] {
+    const std::string v = env_value("SPECD_GPU_TC_F16_UNITS");
+    return v == "8" ? 8 : v == "32" ? 32 : 16;
+  }();
+  return u;
+}
 TcMode tc_mode() {
   static const TcMode m = [] {
     const std::string v = env_value("SPECD_GPU_TC");
@@ -721,10 +746,20 @@ bool tc_linear(const LinearArgs& a, gpuStream_t s) {
   const int64_t tiles = fill_params(p, a, 16 * mt);
   SPECD_CHECK(tiles < (int64_t)1 << 31, "linear: too many output rows");
   p.n_tiles = (int32_t)tiles;
-  p.pitch = call_pitch(a);
+  // F16 stages as asked where the ring fits (bigger ones need ~100-200 KiB for 32 rows), else
+  // halved (the same sums in the same order: no bit changes)
+  p.f16_units = tc_f16_units();
+  p.pitch = call_pitch(a, p.f16_units);
+  while (p.f16_units > 8 && tc_smem(mt, nt, p.pitch, false, a.n, K) > tc_room()) {
+    p.f16_units /= 2;
+    p.pitch = call_pitch(a, p.f16_units);
+  }
+  SPECD_CHECK(tc_smem(mt, nt, p.pitch, false, a.n, K) <= tc_room(),
+              "linear: the tensor-core reader's stages do not fit this device's shared memory");
   // x converted once per CTA where it fits (SPECD_GPU_TC_XSTAGE=0: never, for benchmarks)
   static const bool xstage_on = env_value("SPECD_GPU_TC_XSTAGE") != "0";
-  p.xstage = xstage_on && xstage_bytes(a.n, K / kUnit) <= kXStageMax;
+  p.xstage = xstage_on && xstage_bytes(a.n, K / kUnit) <= kXStageMax &&
+             tc_smem(mt, nt, p.pitch, true, a.n, K) <= tc_room();
   if (mt == 2) launch_tc<2>(p, nt, s);
   else launch_tc<1>(p, nt, s);
   return true;

@@ -24,6 +24,9 @@ namespace specd {
 namespace {
 
 constexpr int64_t kCatchUpChunk = 256;  // positions per forward when catching up (bounds scratch)
+// A greedy catch-up of up to this many tokens is one forward_argmax (every row's logits: the
+// weights read once); longer ones run without the output head, then the last token alone.
+constexpr int64_t kArgmaxRows = 16;
 
 class DraftModelDrafter final : public Drafter {
  public:
@@ -53,8 +56,13 @@ class DraftModelDrafter final : public Drafter {
     for (int64_t done = keep; done < n;) {
       const int64_t c = std::min(kCatchUpChunk, n - done);
       const bool last = done + c == n;
-      if (last && argmax_only) {
-        if (c > 1) m_.forward(*kv_, ctx.tokens + done, c - 1, done, nullptr, false);
+      if (last && argmax_only && c <= kArgmaxRows) {
+        // one forward (after a step: [last draft, bonus]), every row's argmax, the last kept
+        tops_.resize((size_t)c);
+        m_.forward_argmax(*kv_, ctx.tokens + done, c, done, tops_.data());
+        top = tops_[(size_t)c - 1];
+      } else if (last && argmax_only) {
+        m_.forward(*kv_, ctx.tokens + done, c - 1, done, nullptr, false);
         m_.forward_argmax(*kv_, ctx.tokens + n - 1, 1, n - 1, &top);
       } else {
         m_.forward(*kv_, ctx.tokens + done, c, done, last ? logits_.data() : nullptr, false);
@@ -104,6 +112,7 @@ class DraftModelDrafter final : public Drafter {
   std::vector<float> logits_;     // [n_vocab] the draft's logits at the last cached position
   std::vector<float> work_;       // [n_vocab] penalised logits
   std::vector<int32_t> gen_;      // generated tokens + drafts so far (penalties)
+  std::vector<int32_t> tops_;     // [<= kArgmaxRows] argmax rows of a catch-up
 };
 
 }  // namespace

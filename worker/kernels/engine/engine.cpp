@@ -73,6 +73,11 @@ struct Engine::Sequence {
   std::vector<int32_t> hidden_layers;  // [L] target layer ids; empty = capture nothing
   std::vector<float> hidden;           // [n, L, dim] captured by the last target forward
 
+  // Run-ahead (Engine::start_ahead): the pending token's forward at n_past was queued when
+  // step() returned it; ahead_top is its argmax once settled. Cleared when used or dropped.
+  bool ahead = false;
+  int32_t ahead_top = -1;
+
   static constexpr uint64_t kDraftStream = 0xd1b54a32d192ed03ull;  // xored into the seed
 
   // Notes that the next history slot holds `token` (n_past is advanced by the forward).
@@ -104,10 +109,50 @@ Engine::Engine(const ModelConfig& cfg, const std::vector<TensorRef>& tensors, co
   SPECD_CHECK(opt.n_threads >= 0, "n_threads must be >= 0 (0 = all cores), got " + std::to_string(opt.n_threads));
   n_ctx_ = opt.n_ctx > 0 ? opt.n_ctx : std::min<int64_t>(c.n_ctx_train, 4096);
   SPECD_CHECK(n_ctx_ <= INT32_MAX, "n_ctx must fit positions in int32, got " + std::to_string(n_ctx_));
+  SPECD_CHECK(opt.run_ahead >= -1 && opt.run_ahead <= 1,
+              "run_ahead must be -1 (auto), 0 or 1, got " + std::to_string(opt.run_ahead));
+  run_ahead_ = opt.run_ahead < 0 ? model_->queues_forwards() : opt.run_ahead == 1;
   set_num_threads(opt.n_threads);
 }
 
-Engine::~Engine() = default;
+Engine::~Engine() {
+  std::lock_guard<std::mutex> lock(mu_);
+  settle();  // the forward ahead still uses a KV store about to be freed
+}
+
+// Queues the forward of s's pending token (a plain greedy decode step on the device) so
+// that it runs while the caller handles the token step() is returning.
+void Engine::start_ahead(Sequence& s) {
+  if (!run_ahead_ || s.pending < 0 || s.drafter || !device_greedy(s) || s.n_past + 1 > n_ctx_) return;
+  try {
+    model_->start_argmax(*s.kv, s.pending, s.n_past);
+  } catch (...) {
+    return;  // nothing kept: the next step() runs the forward itself and reports the error
+  }
+  s.ahead = true;
+  inflight_ = &s;
+}
+
+void Engine::set_run_ahead(bool on) {
+  std::lock_guard<std::mutex> lock(mu_);
+  settle();
+  run_ahead_ = on;  // a forward already queued and settled is still used by its sequence
+}
+
+void Engine::settle() {
+  Sequence* s = inflight_;
+  if (s == nullptr) return;
+  inflight_ = nullptr;
+  try {
+    s->ahead_top = model_->finish_argmax(*s->kv);
+  } catch (...) {
+    s->ahead = false;  // as above: its next step() forwards again
+  }
+}
+
+// Forgets s's forward ahead (settled): the K/V row it wrote at n_past is past the sequence's
+// length (overwritten by whatever goes there next) and its logits were never made current.
+void Engine::drop_ahead(Sequence& s) { s.ahead = false; }
 
 Engine::Sequence& Engine::get(int32_t seq) {
   auto it = seqs_.find(seq);
@@ -130,6 +175,7 @@ int32_t Engine::new_sequence() {
 
 void Engine::free_sequence(int32_t seq) {
   std::lock_guard<std::mutex> lock(mu_);
+  settle();
   if (seqs_.erase(seq) == 0) throw Error("unknown sequence id " + std::to_string(seq) + " (already freed?)");
 }
 
@@ -190,7 +236,9 @@ namespace {
 
 void Engine::prefill(int32_t seq, const int32_t* tokens, int64_t n, float* logits_out, bool all_logits) {
   std::lock_guard<std::mutex> lock(mu_);
+  settle();
   Sequence& s = get(seq);
+  drop_ahead(s);  // (the pending token is forwarded again, with the prompt's chunk)
   const int32_t nv = model_->config().n_vocab;
   SPECD_CHECK(n > 0, "prefill needs at least one token");
   for (int64_t i = 0; i < n; ++i)
@@ -241,7 +289,9 @@ void Engine::prefill(int32_t seq, const int32_t* tokens, int64_t n, float* logit
 void Engine::set_sampling(int32_t seq, const SamplingParams& p) {
   p.validate();
   std::lock_guard<std::mutex> lock(mu_);
+  settle();
   Sequence& s = get(seq);
+  drop_ahead(s);
   s.params = p;
   s.rng = Rng(p.seed);
   s.draft_rng = Rng(p.seed ^ Sequence::kDraftStream);
@@ -262,7 +312,10 @@ void Engine::set_draft_model(const ModelConfig& cfg, const std::vector<TensorRef
   if (cfg.n_vocab != model_->config().n_vocab)
     throw Error("draft model vocabulary differs from the target's: " + std::to_string(cfg.n_vocab) + " tokens vs " +
                 std::to_string(model_->config().n_vocab) + "; use a draft of the same model family and tokenizer");
-  draft_model_ = make_model(cfg, tensors, opt_.device, opt_.tensor_cores);
+  // The draft model never verifies: nothing has to match its rows across batch sizes (the
+  // target decides every token), so it keeps the faster one-row readers of the CUDA cores
+  // (tensor_cores makes an F16 decode step ~1.9x slower, 2026-12-01).
+  draft_model_ = make_model(cfg, tensors, opt_.device, /*tensor_cores=*/false);
 }
 
 void Engine::register_drafter(const std::string& name, DrafterFactory factory) {
@@ -276,7 +329,9 @@ void Engine::register_drafter(const std::string& name, DrafterFactory factory) {
 void Engine::set_speculation(int32_t seq, const SpecParams& p) {
   p.validate();
   std::lock_guard<std::mutex> lock(mu_);
+  settle();
   Sequence& s = get(seq);
+  drop_ahead(s);
   const DrafterEnv env{model_.get(), n_ctx_, opt_.kv_f16};
   std::unique_ptr<Drafter> d;
   if (p.mode == "none") {
@@ -333,7 +388,13 @@ void Engine::forward_pending(Sequence& s) {
   if (s.n_past + 1 > n_ctx_) context_exceeded(s.n_past + 1, n_ctx_);
   const int32_t p = s.pending;
   try {
-    if (device_greedy(s)) {
+    if (s.ahead) {  // queued when the last step() returned p (nothing changed since)
+      s.ahead = false;
+      model_->keep_ahead(*s.kv);
+      s.top = s.ahead_top;
+      s.logits_on_host = false;
+      s.logits_row = 0;
+    } else if (device_greedy(s)) {
       model_->forward_argmax(*s.kv, &p, 1, s.n_past, &s.top);
       s.logits_on_host = false;
       s.logits_row = 0;
@@ -513,6 +574,7 @@ bool Engine::speculative_step(Sequence& s, int64_t k, std::vector<int32_t>& out)
 
 std::vector<int32_t> Engine::step(int32_t seq) {
   std::lock_guard<std::mutex> lock(mu_);
+  settle();
   Sequence& s = get(seq);
   if (!s.has_logits)
     throw Error("step() needs logits to sample from: call prefill() first (a new or truncated sequence has none)");
@@ -535,16 +597,19 @@ std::vector<int32_t> Engine::step(int32_t seq) {
   }
   s.stats.n_generated += (int64_t)out.size();
   s.stats.n_steps += 1;
+  start_ahead(s);
   s.stats.decode_seconds += seconds_since(t0);
   return out;
 }
 
 void Engine::truncate(int32_t seq, int64_t n_past) {
   std::lock_guard<std::mutex> lock(mu_);
+  settle();
   Sequence& s = get(seq);
   if (n_past < 0 || n_past > s.n_past)
     throw Error("truncate(" + std::to_string(n_past) + "): the sequence holds " + std::to_string(s.n_past) +
                 " positions; keep between 0 and that many");
+  drop_ahead(s);
   s.keep(n_past);
   if (s.drafter) s.drafter->rollback(n_past);
 }
@@ -563,6 +628,7 @@ namespace specd {
 
 std::vector<double> Engine::bench_forward(int64_t n, int64_t pos0, int32_t reps, bool all_rows) {
   std::lock_guard<std::mutex> lock(mu_);
+  settle();
   SPECD_CHECK(n >= 1 && pos0 >= 0 && pos0 + n <= n_ctx_ && reps >= 1,
               "bench_forward needs n >= 1, pos0 >= 0, pos0 + n <= n_ctx and reps >= 1");
   std::unique_ptr<KvStore> kv = model_->new_kv(n_ctx_, opt_.kv_f16);

@@ -40,6 +40,12 @@ struct EngineOptions {
   int64_t max_batch = 256;  // positions per forward when prefilling (bounds scratch memory)
   std::string device = "cpu";  // "cpu" | "cuda:N" | "hip:N" (model/forward.h make_model)
   bool tensor_cores = false;   // GPU: decode/verify forwards on tensor cores (make_model); for speculation
+  // Run-ahead: when step() returns a greedy token (argmax on the device, no drafter), it
+  // queues that token's forward before returning, so the device works while the caller
+  // handles the token; the next step() only waits for it. -1: where the model queues
+  // forwards (GPU); 1: also on the CPU (the forward then runs inside the returning step:
+  // for tests); 0: never. Output is unchanged: the same forward, the same bits.
+  int32_t run_ahead = -1;
 };
 
 constexpr int32_t kMaxDraft = 32;  // largest k of set_speculation
@@ -113,6 +119,9 @@ class Engine {
   const ModelConfig& config() const { return model_->config(); }
   std::string device() const { return model_->device(); }
   int64_t n_ctx() const { return n_ctx_; }
+  // EngineOptions::run_ahead after construction (benchmarks compare both in one engine).
+  bool run_ahead() const { return run_ahead_; }
+  void set_run_ahead(bool on);
 
  private:
   struct Sequence;
@@ -126,6 +135,12 @@ class Engine {
   bool speculative_step(Sequence& s, int64_t k, std::vector<int32_t>& out);
   void target_forward(Sequence& s, const int32_t* tokens, int64_t n, float* logits, bool all_logits);
   void commit(Sequence& s, int64_t n_new, int64_t row0 = 0);
+  // Run-ahead (EngineOptions::run_ahead). At most one forward is queued ahead at a time:
+  // every call that may touch the model or a KV store first settles it (waits for it and
+  // keeps its argmax in the sequence); a call that changes the sequence drops it.
+  void start_ahead(Sequence& s);
+  void settle();
+  static void drop_ahead(Sequence& s);
 
   std::unique_ptr<ForwardModel> model_;
   std::unique_ptr<ForwardModel> draft_model_;  // mode "draft" (same device); null = none
@@ -134,6 +149,8 @@ class Engine {
   int64_t n_ctx_ = 0;
   int32_t next_id_ = 1;
   std::unordered_map<int32_t, std::unique_ptr<Sequence>> seqs_;
+  bool run_ahead_ = false;
+  Sequence* inflight_ = nullptr;  // whose forward ahead is queued and not yet waited for
   mutable std::mutex mu_;  // one engine call at a time (the GIL is released inside)
 };
 

@@ -4,6 +4,7 @@
 
 #include <cstring>
 #include <string>
+#include <utility>
 
 #include "engine/sampler.h"
 #include "model/model.h"
@@ -21,6 +22,19 @@ void ForwardModel::forward_argmax(KvStore& kv, const int32_t* tokens, int64_t n,
   forward(kv, tokens, n, pos0, kv.last_logits.data(), true);
   kv.last_rows = n;
   for (int64_t i = 0; i < n; ++i) out[i] = argmax(kv.last_logits.data() + i * nv, nv);
+}
+
+void ForwardModel::start_argmax(KvStore& kv, int32_t token, int64_t pos0) const {
+  const int64_t nv = config().n_vocab;
+  kv.ahead_logits.resize((size_t)nv);
+  kv.ahead_top = -1;
+  forward(kv, &token, 1, pos0, kv.ahead_logits.data(), true);
+  kv.ahead_top = argmax(kv.ahead_logits.data(), nv);
+}
+
+void ForwardModel::keep_ahead(KvStore& kv) const {
+  std::swap(kv.last_logits, kv.ahead_logits);
+  kv.last_rows = 1;
 }
 
 void ForwardModel::read_logits(const KvStore& kv, int64_t row, float* out) const {

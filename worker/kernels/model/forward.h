@@ -34,6 +34,9 @@ class KvStore {
   // Host copy of the logits of the last forward_argmax (the CPU path keeps them here).
   std::vector<float> last_logits;
   int64_t last_rows = 0;
+  // The default start_argmax's logits and argmax (ForwardModel below).
+  std::vector<float> ahead_logits;
+  int32_t ahead_top = -1;
 };
 
 struct MemoryInfo {
@@ -63,6 +66,18 @@ class ForwardModel {
   // and keeps the logits in kv.last_logits.
   virtual void forward_argmax(KvStore& kv, const int32_t* tokens, int64_t n, int64_t pos0, int32_t* out) const;
   virtual void read_logits(const KvStore& kv, int64_t row, float* out) const;
+
+  // A decode step queued ahead (the engine's run-ahead, EngineOptions::run_ahead):
+  // start_argmax forwards `token` at pos0 like forward_argmax, but where queues_forwards() it
+  // returns once the work is queued on the device; finish_argmax waits for it and returns the
+  // argmax. Its logits do not replace those read_logits reads until keep_ahead(kv); without
+  // it they are dropped (the K/V row written at pos0 is the one the same step writes again).
+  // Between start and finish the caller makes no other call on this model. The defaults run
+  // the forward inside start_argmax.
+  virtual bool queues_forwards() const { return false; }
+  virtual void start_argmax(KvStore& kv, int32_t token, int64_t pos0) const;
+  virtual int32_t finish_argmax(KvStore& kv) const { return kv.ahead_top; }
+  virtual void keep_ahead(KvStore& kv) const;
 
   // Host views of the token embedding and output head (drafters such as DFlash reuse them).
   virtual const WeightView& token_embedding() const = 0;
