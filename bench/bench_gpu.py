@@ -306,7 +306,9 @@ def measure_specd(path: Path, args: argparse.Namespace, res: dict) -> None:
                     seq.close()
                     if r:
                         runs.append({"tokens": made, "tok_s": made / dt,
-                                     "tau": st["spec_tokens"] / st["spec_steps"] if st["spec_steps"] else 1.0})
+                                     "tau": st["spec_tokens"] / st["spec_steps"] if st["spec_steps"] else 1.0,
+                                     **{key: st[key] for key in ("decode_seconds", "draft_seconds", "verify_seconds",
+                                                                 "spec_steps", "n_steps")}})
                 out[str(k)] = {"runs": runs, "tok_s": statistics.median(x["tok_s"] for x in runs),
                                "tau": statistics.median(x["tau"] for x in runs)}
                 print(f"  specd: self-speculation k={k}: {out[str(k)]['tok_s']:.1f} tok/s, "

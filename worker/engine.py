@@ -322,7 +322,8 @@ class Sequence:
 
     def stats(self) -> dict[str, Any]:
         """Counters and timings: n_past, n_prompt, n_generated, n_steps, prefill_seconds,
-        decode_seconds; speculation: spec_steps (steps that forwarded with a drafter set),
+        decode_seconds (the steps' work: time inside step(), plus the device time of forwards
+        queued ahead that they used, not the waits for them); speculation: spec_steps (steps that forwarded with a drafter set),
         spec_tokens (tokens they returned), drafted, accepted, acceptance_length (tau =
         spec_tokens / spec_steps), drafted_per_position / accepted_per_position (lists: how
         many steps drafted / accepted draft i+1), draft_seconds, verify_seconds."""

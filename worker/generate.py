@@ -24,7 +24,9 @@ Timing definitions (engine-side clocks, Python overhead excluded):
   prefill_tok_s = n_prompt / prefill_seconds  (the prompt forward)
   decode_tok_s  = (n_generated - 1) / decode_seconds
 The first generated token is sampled from the prefill's logits (no forward of its own),
-so decode_seconds -- the time spent inside step() -- pays for the other n_generated - 1.
+so decode_seconds -- the time of the steps' work: inside step(), and on a GPU, where each
+greedy step queues the next token's forward before returning (run-ahead), that forward's
+device time instead of the wait for it -- pays for the other n_generated - 1.
 Either rate is 0.0 when it is not measurable (no time, or fewer than 2 tokens).
 """
 

@@ -293,3 +293,25 @@ def test_run_ahead_changes_nothing_a_caller_sees(tmp_path, weight_type):
     with Engine(open_model(path), device=_device(), n_ctx=64) as eng:
         ahead = script(eng)
     assert ahead == plain
+
+
+def test_a_freed_sequences_cache_serves_the_next_one(tmp_path):
+    """A closed sequence's cache (and the graphs captured for it) goes back to the model and
+    serves the next sequence of the same size: rows left from a longer earlier sequence are
+    never read (the tokens equal a fresh engine's), and the kept cache counts as scratch."""
+    from worker.engine import Engine
+    from worker.model_file import open_model
+
+    path = _model(tmp_path, "pool", "Q8_0", arch="qwen3")
+    rng = np.random.default_rng([SEED, 7])
+    long_prompt = rng.integers(0, 300, size=50).astype(np.int32)
+    short = rng.integers(0, 300, size=5).astype(np.int32)
+    with Engine(open_model(path), device=_device(), n_ctx=128) as eng:
+        fresh, _ = _greedy(eng, short, 30)
+    with Engine(open_model(path), device=_device(), n_ctx=128) as eng:
+        before = eng.memory()["scratch_bytes"]
+        _greedy(eng, long_prompt, 40)  # fills positions 0..89, then closes
+        kept = eng.memory()["scratch_bytes"] - before
+        reused, _ = _greedy(eng, short, 30)
+        assert kept >= 2 * 2 * 128 * 32 * 2  # K and V of the closed sequence, fp16
+    assert reused == fresh

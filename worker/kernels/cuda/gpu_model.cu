@@ -12,8 +12,9 @@
 //   act  = silu(Wgate f) * (Wup f), f = rmsnorm(h) (norm and SwiGLU fused)
 //   h   += linear(Wdown, act)
 // then the head (rmsnorm fused) and the argmax of every row, all captured once per
-// (sequence, n, head) in a GPU graph whose inputs (tokens, position) live in device memory,
-// so a decode step is one H2D copy, one graph launch and one D2H copy of n token ids.
+// (cache, n, head) in a GPU graph whose inputs (tokens, position) live in device memory,
+// so a decode step is one H2D copy, one graph launch and one D2H copy of n token ids. A
+// freed sequence's cache is kept, graphs and all, for the next sequence (KvPool).
 // Large forwards (prefill chunks) run the tensor-core path with separate RMSNorm launches.
 #include "cuda/gpu_model.h"
 
@@ -21,7 +22,11 @@
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <memory>
+#include <mutex>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "cuda/attention.cuh"
 #include "cuda/common.cuh"
@@ -75,24 +80,101 @@ struct Staging {
   }
 };
 
+// A graph captured for one KV store (small forwards; key: (n * 4 + head) * 2 + logits buffer)
+// and the scratch epoch it was captured in.
+struct KvGraph {
+  gpuGraphExec_t exec = nullptr;
+  uint64_t epoch = 0;
+};
+using KvGraphs = std::map<int64_t, KvGraph>;
+inline void destroy_graphs(KvGraphs& g) {
+  for (auto& e : g)
+    if (e.second.exec) (void)gpuGraphExecDestroy(e.second.exec);
+  g.clear();
+}
+
+// A cache's device memory and its graphs, apart from any sequence.
+struct KvParts {
+  int64_t n_ctx = 0;
+  bool f16 = true;
+  size_t layer_bytes = 0;
+  DeviceBuffer k, v, logits[2];
+  KvGraphs graphs;
+  size_t bytes() const { return k.size() + v.size() + logits[0].size() + logits[1].size(); }
+};
+
+// Caches of freed sequences, kept for the next ones of the same size: their memory is not
+// allocated (nor freed, which waits for the device) again, and the graphs captured for them
+// stay valid (the same addresses), so a new sequence's first steps capture nothing. At most
+// kKept caches (their bytes count as the model's scratch in memory()); SPECD_GPU_KV_POOL=0
+// keeps none (for benchmarks).
+class KvPool {
+ public:
+  static constexpr size_t kKept = 2;
+  KvPool() : on_(gpu::env_value("SPECD_GPU_KV_POOL") != "0") {}
+  ~KvPool() {
+    for (KvParts& p : kept_) destroy_graphs(p.graphs);
+  }
+  bool take(int64_t n_ctx, bool f16, KvParts& out) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = 0; i < kept_.size(); ++i)
+      if (kept_[i].n_ctx == n_ctx && kept_[i].f16 == f16) {
+        out = std::move(kept_[i]);
+        kept_.erase(kept_.begin() + (std::ptrdiff_t)i);
+        return true;
+      }
+    return false;
+  }
+  void give(KvParts&& p) {
+    if (!on_) {
+      destroy_graphs(p.graphs);
+      return;
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    if (kept_.size() >= kKept) {  // the oldest goes
+      destroy_graphs(kept_.front().graphs);
+      kept_.erase(kept_.begin());
+    }
+    kept_.push_back(std::move(p));
+  }
+  size_t bytes() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    size_t b = 0;
+    for (const KvParts& p : kept_) b += p.bytes();
+    return b;
+  }
+
+ private:
+  const bool on_;
+  mutable std::mutex mu_;
+  std::vector<KvParts> kept_;
+};
+
 // One sequence's cache on the device, with the logits of its last small forward and the
-// graphs captured for it (they bake in the cache's and the scratch's addresses).
+// graphs captured for it (they bake in the cache's and the scratch's addresses). Freed, it
+// goes back to the model's pool with its graphs.
 class GpuKv final : public KvStore {
  public:
-  GpuKv(int32_t n_layers, int64_t n_ctx, int64_t kv_dim, bool f16)
-      : n_ctx_(n_ctx), f16_(f16) {
-    const size_t elem = f16 ? 2 : 4;
-    layer_bytes_ = (size_t)n_ctx * (size_t)kv_dim * elem;
-    k_.resize(layer_bytes_ * (size_t)n_layers);
-    v_.resize(layer_bytes_ * (size_t)n_layers);
+  GpuKv(KvParts&& parts, std::shared_ptr<KvPool> pool) : p_(std::move(parts)), pool_(std::move(pool)) {}
+  static KvParts allocate(int32_t n_layers, int64_t n_ctx, int64_t kv_dim, bool f16) {
+    KvParts p;
+    p.n_ctx = n_ctx;
+    p.f16 = f16;
+    p.layer_bytes = (size_t)n_ctx * (size_t)kv_dim * (f16 ? 2 : 4);
+    p.k.resize(p.layer_bytes * (size_t)n_layers);
+    p.v.resize(p.layer_bytes * (size_t)n_layers);
+    return p;
   }
-  ~GpuKv() override { drop_graphs(); }
+  ~GpuKv() override {
+    if (pool_) pool_->give(std::move(p_));
+    else destroy_graphs(p_.graphs);
+  }
 
-  int64_t n_ctx() const override { return n_ctx_; }
-  size_t bytes() const override { return k_.size() + v_.size() + logits_[0].size() + logits_[1].size(); }
-  bool f16() const { return f16_; }
-  void* k(int32_t l) const { return k_.get<uint8_t>() + (size_t)l * layer_bytes_; }
-  void* v(int32_t l) const { return v_.get<uint8_t>() + (size_t)l * layer_bytes_; }
+  int64_t n_ctx() const override { return p_.n_ctx; }
+  size_t bytes() const override { return p_.bytes(); }
+  bool f16() const { return p_.f16; }
+  void* k(int32_t l) const { return p_.k.get<uint8_t>() + (size_t)l * p_.layer_bytes; }
+  void* v(int32_t l) const { return p_.v.get<uint8_t>() + (size_t)l * p_.layer_bytes; }
 
   // Device logits rows of the last small forward, in one of two buffers: `cur`, the one
   // read_logits reads, which a forward overwrites; a forward queued ahead (start_argmax)
@@ -100,32 +182,21 @@ class GpuKv final : public KvStore {
   // keeping it (keep_ahead) makes that one current. Growing a buffer invalidates the graphs.
   float* logits(int slot, int64_t rows, int64_t nv) {
     const size_t need = sizeof(float) * (size_t)(rows * nv);
-    if (need > logits_[slot].size()) {
-      drop_graphs();
-      logits_[slot].resize(need);
+    if (need > p_.logits[slot].size()) {
+      destroy_graphs(p_.graphs);
+      p_.logits[slot].resize(need);
     }
-    return logits_[slot].get<float>();
+    return p_.logits[slot].get<float>();
   }
-  const float* logits_ptr() const { return logits_[cur].get<float>(); }
+  const float* logits_ptr() const { return p_.logits[cur].get<float>(); }
   int cur = 0;
-  int64_t device_rows = 0;  // rows of logits_[cur] valid for read_logits
+  int64_t device_rows = 0;  // rows of logits[cur] valid for read_logits
 
-  struct Graph {
-    gpuGraphExec_t exec = nullptr;
-    uint64_t epoch = 0;
-  };
-  std::map<int64_t, Graph> graphs;  // key: (n * 4 + head) * 2 + logits buffer
-  void drop_graphs() {
-    for (auto& g : graphs)
-      if (g.second.exec) (void)gpuGraphExecDestroy(g.second.exec);
-    graphs.clear();
-  }
+  KvGraphs& graphs() { return p_.graphs; }
 
  private:
-  int64_t n_ctx_;
-  bool f16_;
-  size_t layer_bytes_ = 0;
-  DeviceBuffer k_, v_, logits_[2];
+  KvParts p_;
+  std::shared_ptr<KvPool> pool_;
 };
 
 class GpuModel final : public ForwardModel {
@@ -204,6 +275,8 @@ class GpuModel final : public ForwardModel {
   }
 
   ~GpuModel() override {
+    for (gpuEvent_t e : ahead_ev_)
+      if (e) (void)gpuEventDestroy(e);
     if (stream_) (void)gpuStreamDestroy(stream_);
   }
 
@@ -214,14 +287,16 @@ class GpuModel final : public ForwardModel {
 
   std::unique_ptr<KvStore> new_kv(int64_t n_ctx, bool f16) const override {
     SPECD_GPU_CHECK(gpuSetDevice(index_));
-    return std::make_unique<GpuKv>(config().n_layers, n_ctx, kv_dim(), f16);
+    KvParts parts;
+    if (!pool_->take(n_ctx, f16, parts)) parts = GpuKv::allocate(config().n_layers, n_ctx, kv_dim(), f16);
+    return std::make_unique<GpuKv>(std::move(parts), pool_);
   }
 
   MemoryInfo memory() const override {
     MemoryInfo m;
     SPECD_GPU_CHECK(gpuSetDevice(index_));
     m.weights_bytes = weights_bytes_;
-    m.scratch_bytes = scratch_bytes();
+    m.scratch_bytes = scratch_bytes() + pool_->bytes();  // (with the kept caches of freed sequences)
     SPECD_GPU_CHECK(gpuMemGetInfo(&m.device_free_bytes, &m.device_total_bytes));
     m.device_name = info_.name;
     return m;
@@ -252,15 +327,26 @@ class GpuModel final : public ForwardModel {
   // Run-ahead: the decode step is queued (its argmax copied to pinned memory behind it) and
   // start_argmax returns; its logits go to the KV store's other buffer.
   bool queues_forwards() const override { return true; }
+  // (events around it time the forward for the engine's decode_seconds)
   void start_argmax(KvStore& kvs, int32_t token, int64_t pos0) const override {
     GpuKv& kv = cast(kvs);
+    SPECD_GPU_CHECK(gpuSetDevice(index_));
+    if (ahead_ev_[0] == nullptr) {
+      SPECD_GPU_CHECK(gpuEventCreate(&ahead_ev_[0]));
+      SPECD_GPU_CHECK(gpuEventCreate(&ahead_ev_[1]));
+    }
+    SPECD_GPU_CHECK(gpuEventRecord(ahead_ev_[0], stream_));
     run(kv, &token, 1, pos0, Head::All, nullptr, /*argmax=*/true, /*ahead=*/true);
     SPECD_GPU_CHECK(gpuMemcpyAsync(staging_.tops, tops_.get(), sizeof(int32_t), gpuMemcpyDeviceToHost, stream_));
+    SPECD_GPU_CHECK(gpuEventRecord(ahead_ev_[1], stream_));
   }
-  int32_t finish_argmax(KvStore& kvs) const override {
+  int32_t finish_argmax(KvStore& kvs, double* seconds) const override {
     cast(kvs);
     SPECD_GPU_CHECK(gpuSetDevice(index_));
-    SPECD_GPU_CHECK(gpuStreamSynchronize(stream_));
+    SPECD_GPU_CHECK(gpuEventSynchronize(ahead_ev_[1]));
+    float ms = 0.f;
+    SPECD_GPU_CHECK(gpuEventElapsedTime(&ms, ahead_ev_[0], ahead_ev_[1]));
+    *seconds = 1e-3 * (double)ms;
     return staging_.tops[0];
   }
   void keep_ahead(KvStore& kvs) const override {
@@ -394,7 +480,7 @@ class GpuModel final : public ForwardModel {
     if (!ahead) kv.device_rows = 0;
     if (small && capture == nullptr) {
       const int64_t key = (n * 4 + (int64_t)head) * 2 + slot;
-      GpuKv::Graph& g = kv.graphs[key];
+      KvGraph& g = kv.graphs()[key];
       if (g.exec == nullptr || g.epoch != epoch_) {
         if (g.exec) (void)gpuGraphExecDestroy(g.exec);
         g.exec = nullptr;
@@ -562,6 +648,8 @@ class GpuModel final : public ForwardModel {
   mutable DeviceBuffer h_, xn_, qkv_, att_, act_, work_, lin_work_, big_logits_, inputs_, tops_, argmax_work_;
   mutable Staging staging_;
   mutable uint64_t epoch_ = 1;
+  std::shared_ptr<KvPool> pool_ = std::make_shared<KvPool>();  // freed sequences' caches
+  mutable gpuEvent_t ahead_ev_[2] = {nullptr, nullptr};       // around a forward queued ahead
 };
 
 }  // namespace

@@ -77,6 +77,7 @@ struct Engine::Sequence {
   // step() returned it; ahead_top is its argmax once settled. Cleared when used or dropped.
   bool ahead = false;
   int32_t ahead_top = -1;
+  double ahead_seconds = 0;  // its time on the device (counted in decode_seconds when used)
 
   static constexpr uint64_t kDraftStream = 0xd1b54a32d192ed03ull;  // xored into the seed
 
@@ -144,7 +145,7 @@ void Engine::settle() {
   if (s == nullptr) return;
   inflight_ = nullptr;
   try {
-    s->ahead_top = model_->finish_argmax(*s->kv);
+    s->ahead_top = model_->finish_argmax(*s->kv, &s->ahead_seconds);
   } catch (...) {
     s->ahead = false;  // as above: its next step() forwards again
   }
@@ -391,6 +392,7 @@ void Engine::forward_pending(Sequence& s) {
     if (s.ahead) {  // queued when the last step() returned p (nothing changed since)
       s.ahead = false;
       model_->keep_ahead(*s.kv);
+      s.stats.decode_seconds += s.ahead_seconds;  // (the step's own time is added by step())
       s.top = s.ahead_top;
       s.logits_on_host = false;
       s.logits_row = 0;
@@ -597,8 +599,8 @@ std::vector<int32_t> Engine::step(int32_t seq) {
   }
   s.stats.n_generated += (int64_t)out.size();
   s.stats.n_steps += 1;
-  start_ahead(s);
   s.stats.decode_seconds += seconds_since(t0);
+  start_ahead(s);  // (its forward's time is counted by the step that uses it)
   return out;
 }
 

@@ -63,6 +63,8 @@ struct SeqStats {
   int64_t n_prompt = 0;      // tokens given through prefill
   int64_t n_generated = 0;   // tokens returned by step()
   int64_t n_steps = 0;
+  // decode_seconds: the time of step()s' work: their time inside step(), not counting waits for
+  // a forward queued ahead (run-ahead), plus the device time of each such forward they used.
   double prefill_seconds = 0, decode_seconds = 0;
   // Speculation. A speculative step is a step() that forwards the target while a drafter is
   // set (including those where the drafter proposed nothing: they return 1 token), so the

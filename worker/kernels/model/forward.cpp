@@ -2,6 +2,7 @@
 // strings, and the factory choosing the CPU or the GPU model.
 #include "model/forward.h"
 
+#include <chrono>
 #include <cstring>
 #include <string>
 #include <utility>
@@ -28,8 +29,10 @@ void ForwardModel::start_argmax(KvStore& kv, int32_t token, int64_t pos0) const 
   const int64_t nv = config().n_vocab;
   kv.ahead_logits.resize((size_t)nv);
   kv.ahead_top = -1;
+  const auto t0 = std::chrono::steady_clock::now();
   forward(kv, &token, 1, pos0, kv.ahead_logits.data(), true);
   kv.ahead_top = argmax(kv.ahead_logits.data(), nv);
+  kv.ahead_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 void ForwardModel::keep_ahead(KvStore& kv) const {

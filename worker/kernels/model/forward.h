@@ -34,9 +34,10 @@ class KvStore {
   // Host copy of the logits of the last forward_argmax (the CPU path keeps them here).
   std::vector<float> last_logits;
   int64_t last_rows = 0;
-  // The default start_argmax's logits and argmax (ForwardModel below).
+  // The default start_argmax's logits, argmax and duration (ForwardModel below).
   std::vector<float> ahead_logits;
   int32_t ahead_top = -1;
+  double ahead_seconds = 0;
 };
 
 struct MemoryInfo {
@@ -70,13 +71,17 @@ class ForwardModel {
   // A decode step queued ahead (the engine's run-ahead, EngineOptions::run_ahead):
   // start_argmax forwards `token` at pos0 like forward_argmax, but where queues_forwards() it
   // returns once the work is queued on the device; finish_argmax waits for it and returns the
-  // argmax. Its logits do not replace those read_logits reads until keep_ahead(kv); without
-  // it they are dropped (the K/V row written at pos0 is the one the same step writes again).
-  // Between start and finish the caller makes no other call on this model. The defaults run
-  // the forward inside start_argmax.
+  // argmax, and in *seconds how long the forward took from start_argmax to its end (device
+  // time, not the wait). Its logits do not replace those read_logits reads until
+  // keep_ahead(kv); without it they are dropped (the K/V row written at pos0 is the one the
+  // same step writes again). Between start and finish the caller makes no other call on this
+  // model. The defaults run the forward inside start_argmax.
   virtual bool queues_forwards() const { return false; }
   virtual void start_argmax(KvStore& kv, int32_t token, int64_t pos0) const;
-  virtual int32_t finish_argmax(KvStore& kv) const { return kv.ahead_top; }
+  virtual int32_t finish_argmax(KvStore& kv, double* seconds) const {
+    *seconds = kv.ahead_seconds;
+    return kv.ahead_top;
+  }
   virtual void keep_ahead(KvStore& kv) const;
 
   // Host views of the token embedding and output head (drafters such as DFlash reuse them).
