@@ -114,10 +114,11 @@ class Engine:
     (None = all cores), kv_type ("f16" | "f32"), max_batch (positions per forward while
     prefilling; bounds scratch memory), draft_model (a second ModelFile with the same token
     table, for speculation mode "draft"), device ("cpu", or "cuda:N" / "hip:N" when built
-    with that GPU backend; a draft model runs on the same device), tensor_cores (GPU: decode
-    and verify forwards read F16 weights on tensor cores, so verifying k+1 positions costs
-    about one decode step while one plain step costs ~15 % more; None = on when a draft model
-    is given, i.e. for an engine that speculates), run_ahead (when step() returns a greedy
+    with that GPU backend; a draft model runs on the same device, always on the CUDA cores),
+    tensor_cores (GPU: decode and verify forwards of the target read F16 weights on tensor
+    cores, so a 16-position verify costs ~2 of those steps, but one step is ~1.9x slower than
+    on the CUDA cores (H200, 2026-12-01); None = on when a draft model is given, i.e. for an
+    engine that speculates), run_ahead (when step() returns a greedy
     token computed on the device, it queues that token's forward before returning, so the
     device works while the caller streams the token; the next step() only waits for it. None
     = on for GPU devices; True also on the CPU, where the forward then runs inside the
@@ -323,10 +324,11 @@ class Sequence:
     def stats(self) -> dict[str, Any]:
         """Counters and timings: n_past, n_prompt, n_generated, n_steps, prefill_seconds,
         decode_seconds (the steps' work: time inside step(), plus the device time of forwards
-        queued ahead that they used, not the waits for them); speculation: spec_steps (steps that forwarded with a drafter set),
-        spec_tokens (tokens they returned), drafted, accepted, acceptance_length (tau =
-        spec_tokens / spec_steps), drafted_per_position / accepted_per_position (lists: how
-        many steps drafted / accepted draft i+1), draft_seconds, verify_seconds."""
+        queued ahead that they used, not the waits for them); speculation: spec_steps (steps
+        that forwarded with a drafter set), spec_tokens (tokens they returned), drafted,
+        accepted, acceptance_length (tau = spec_tokens / spec_steps), drafted_per_position /
+        accepted_per_position (lists: how many steps drafted / accepted draft i+1),
+        draft_seconds, verify_seconds."""
         return self._native().stats(self.id)
 
     @property

@@ -461,10 +461,9 @@ class GpuModel final : public ForwardModel {
     const bool small = n <= gpu::kMaxSmallBatch;
     const int64_t nv = c.n_vocab, head_rows = head == Head::All ? n : 1;
     float* logits = nullptr;
-    int slot = kv.cur;
+    const int slot = ahead ? 1 - kv.cur : kv.cur;  // the logits buffer this forward writes
     if (head != Head::None) {
       if (small) {
-        slot = ahead ? 1 - kv.cur : kv.cur;
         logits = kv.logits(slot, head_rows, nv);
       } else {
         const size_t need = sizeof(float) * (size_t)(head_rows * nv);
