@@ -319,7 +319,8 @@ def test_fused_norm_and_swiglu_are_batch_invariant(rng: np.random.Generator) -> 
 # ---- the direct readers (matvec_direct.cuh): every weight Q4_K / Q6_K or every weight Q8_0
 # (matvec_kq.cu, digits of x; rows of whole 4-byte words: K a multiple of 512 for Q6_K, of 64
 # for Q8_0) or every weight F16 / BF16 (matvec_f16.cu, 16-byte rows); persistent CTAs taking
-# blocks of 16 rows, tiles of 1, 2 or 4 rows of x
+# blocks of 16 rows (32 in half groups: K <= 1024 for the digit reader), tiles of 1, 2 or 4
+# rows of x
 
 DIRECT_CASES = {
     "q4k-k256-many-blocks": ((T.Q4_K,) * 3, 256, (9001, 2250, 33)),
@@ -334,6 +335,11 @@ DIRECT_CASES = {
     "q8_0-k1024-many-blocks": ((T.Q8_0,) * 3, 1024, (7001, 70, 5)),
     "q8_0-k576": ((T.Q8_0,) * 3, 576, (300, 9, 3)),      # 612-byte rows (4 mod 16)
     "q8_0-k2304": ((T.Q8_0,) * 3, 2304, (300, 9, 3)),
+    # half groups (K <= 1024: 16 lanes a row, blocks of 32 rows): row counts not multiples of
+    # 32, more blocks than CTAs, SwiGLU over 6001 outputs, 8 chunks (lanes 8..15 idle)
+    "q6k-k1024-many-blocks": ((T.Q6_K,) * 3, 1024, (5001, 40, 17)),
+    "q4k-k1024": ((T.Q4_K,) * 3, 1024, (33, 6001, 9)),
+    "q8_0-k512": ((T.Q8_0,) * 3, 512, (77, 3001, 5)),
     "f16-k4096-many-blocks": ((T.F16,) * 3, 4096, (7001, 70, 5)),
     "f16-k1800": ((T.F16,) * 3, 1800, (300, 9, 3)),
     "bf16-k12288": ((T.BF16,) * 3, 12288, (40, 9, 3)),

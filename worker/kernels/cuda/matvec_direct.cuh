@@ -6,7 +6,11 @@
 // Work: 256 threads = 8 groups of 32 lanes; a group owns kRpg = 2 weight rows (a gate / up
 // pair for SwiGLU) of a CTA-sized block of 16 rows (group_rows, linear_params.cuh);
 // persistent CTAs take the blocks blockIdx.x, + gridDim.x, ...; grid.y = tiles of NR <= 4
-// rows of x. A row is read in steps of R::kSpan chunks (the reader's unit of loading); the
+// rows of x. Half groups (p.halves, where the reader says a row has at most 16 chunks: the
+// digit reader at K <= 1024, where lanes 16..31 would hold no chunk): each 16 lanes act as a
+// group of their own, so a CTA takes blocks of 32 rows; a lane's sums are the same, and the
+// reduction over 16 lanes adds what the 32-lane butterfly adds (its first step only adds
+// +0: half_sum), so every row keeps its bits. A row is read in steps of R::kSpan chunks (the reader's unit of loading); the
 // next step's loads are in flight while one is summed, the first is issued before the grid
 // dependency wait (weights only: it overlaps the end of the kernel this one depends on), and
 // the stream runs on into the next block of rows. x (times the norm weight) is prepared once
@@ -15,7 +19,8 @@
 // so a row's result depends only on its weights and K: batch-invariant for every n <= 64.
 //
 // A reader R provides:
-//   Params (LinParams plus n_cb, the blocks of rows, and its own fields), Chunk (one row's
+//   Params (LinParams plus n_cb, the blocks of rows, halves, and its own fields),
+//   max_chunks(K) (host: the most chunks a lane of a 32-lane group takes in a row of K), Chunk (one row's
 //   registers of a step), kName, kSpan, min_blocks(nr) (CTAs per SM the kernel is compiled
 //   for), units(p) (chunks of a row), load(rows, nc, lane, i, ch, type) (step i of the
 //   group's rows; chunks >= nc untouched), prep<NR>(p, xoff, smem, ss) (x of the tile into
@@ -40,12 +45,23 @@ constexpr int kRpg = 2;      // weight rows per group
 constexpr int kMaxTile = 4;  // rows of x per CTA
 constexpr size_t kStaticSmem = 1024;  // room left for the kernel's static shared memory
 
+// group_sum of a half group (16 lanes, partners within the half) whose other half would hold
+// +0: the 32-lane butterfly's first step (v + the lane 16 away, +0) then its last four.
+__device__ __forceinline__ float half_sum(float v) {
+  v = __fadd_rn(v, 0.f);  // (-0 becomes +0, as it does there)
+#pragma unroll
+  for (int m = kGroup / 4; m > 0; m >>= 1) v += gpu_shfl_xor(v, m);
+  return v;
+}
+
 template <class R, int NR>
 __global__ void __launch_bounds__(kThreads, R::min_blocks(NR)) direct_kernel(const typename R::Params p) {
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ float red[kGroup];
   __shared__ float inv[NR];  // fused RMSNorm factor of each row (1 without the norm)
-  const int lane = threadIdx.x % kGroup, warp = threadIdx.x / kGroup;
+  // (half groups: 16 "groups" of 16 lanes)
+  const int hv = p.halves, lane = threadIdx.x % (kGroup >> hv), warp = threadIdx.x / (kGroup >> hv);
+  const int warps = kWarps << hv;
   const int64_t K = p.K, row0 = (int64_t)blockIdx.y * NR;
   int32_t xoff[NR];  // x row offsets; rows past n repeat row n-1, their results are dropped
 #pragma unroll
@@ -60,7 +76,7 @@ __global__ void __launch_bounds__(kThreads, R::min_blocks(NR)) direct_kernel(con
   {
     int j0;
     int64_t o;
-    group_rows<kRpg>(p, l_cb, warp, kWarps, j0, o, lsrc);
+    group_rows<kRpg>(p, l_cb, warp, warps, j0, o, lsrc);
     ltype = p.w[j0].type;
   }
   auto fetch = [&](typename R::Chunk (&dst)[kRpg]) {
@@ -72,7 +88,7 @@ __global__ void __launch_bounds__(kThreads, R::min_blocks(NR)) direct_kernel(con
       if (l_cb < n_cb) {
         int j0;
         int64_t o;
-        group_rows<kRpg>(p, l_cb, warp, kWarps, j0, o, lsrc);
+        group_rows<kRpg>(p, l_cb, warp, warps, j0, o, lsrc);
         ltype = p.w[j0].type;
       }
     }
@@ -107,7 +123,7 @@ __global__ void __launch_bounds__(kThreads, R::min_blocks(NR)) direct_kernel(con
       int j;
       int64_t o;
       const uint8_t* src[kRpg];
-      group_rows<kRpg>(p, cb, warp, kWarps, j, o, src);
+      group_rows<kRpg>(p, cb, warp, warps, j, o, src);
       type = p.w[j].type;
     }
     float acc[kRpg][NR];
@@ -124,11 +140,11 @@ __global__ void __launch_bounds__(kThreads, R::min_blocks(NR)) direct_kernel(con
     int j0;
     int64_t o_first;
     const uint8_t* src[kRpg];
-    group_rows<kRpg>(p, cb, warp, kWarps, j0, o_first, src);
+    group_rows<kRpg>(p, cb, warp, warps, j0, o_first, src);
 #pragma unroll
     for (int rr = 0; rr < kRpg; ++rr)
 #pragma unroll
-      for (int r = 0; r < NR; ++r) acc[rr][r] = group_sum(acc[rr][r]) * inv[r];
+      for (int r = 0; r < NR; ++r) acc[rr][r] = (hv ? half_sum(acc[rr][r]) : group_sum(acc[rr][r])) * inv[r];
     group_store<kRpg, NR>(p, lane, row0, j0, o_first, acc);
   }
 }
@@ -170,11 +186,18 @@ inline int tile_rows(int64_t n) { return n <= 1 ? 1 : n <= 2 ? 2 : kMaxTile; }
 
 // The call's parameters (the LinParams part and n_cb), then the launch with `row_bytes` of
 // shared memory per row of x of the tile; `fill` sets the reader's own fields.
+// SPECD_GPU_HALF_GROUPS=0: never half groups (benchmarks).
+inline bool halves_on() {
+  static const bool on = env_value("SPECD_GPU_HALF_GROUPS") != "0";
+  return on;
+}
+
 template <class R, class F>
 void launch(const LinearArgs& a, size_t row_bytes, gpuStream_t s, F&& fill) {
   SPECD_CHECK(a.n * a.w[0]->n_in < (int64_t)1 << 31, "linear: x has more than 2^31 elements");
   typename R::Params p;
-  const int64_t blocks = fill_params(p, a, (int64_t)kWarps * kRpg);
+  p.halves = halves_on() && R::max_chunks(a.w[0]->n_in) <= kGroup / 2 ? 1 : 0;
+  const int64_t blocks = fill_params(p, a, (int64_t)(kWarps << p.halves) * kRpg);
   SPECD_CHECK(blocks < (int64_t)1 << 31, "linear: too many output rows");
   p.n_cb = (int32_t)blocks;
   fill(p);

@@ -33,6 +33,7 @@ constexpr int kU = 4;  // 16-byte loads per row and step (chunks l + 32 u)
 struct F16Params : LinParams {
   int32_t half = 0;  // floats of one half-plane of a row of x: K / 2 rounded up to 4
   int32_t n_cb = 0;  // blocks of rows (direct::kWarps * kRpg weight rows each)
+  int32_t halves = 0;  // (never: matvec_direct.cuh)
 };
 
 // x times norm_w of one row in shared memory as two half-planes: elements 8c .. 8c + 3 at
@@ -90,6 +91,9 @@ struct F16Reader {
   static constexpr int kSpan = kGroup * kU;  // chunks of a row per step
   static constexpr int min_blocks(int nr) { return nr == 1 ? 2 : 1; }
   __device__ static int units(const Params& p) { return (int)(p.K / 8); }
+  // chunks l + 32 u + 128 i: lanes 16..31 hold chunks whenever a row has 16 or more; no
+  // half groups (a lane holds up to kU chunks of a step)
+  static int64_t max_chunks(int64_t) { return kSpan; }
   __device__ static void load(const uint8_t* const (&rows)[kRpg], int nc, int lane, int i, Chunk (&ch)[kRpg],
                               GgmlType) {
 #pragma unroll

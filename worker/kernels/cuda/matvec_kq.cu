@@ -52,7 +52,8 @@ constexpr int kSpan = 2048;  // elements the 32 lanes of a group cover in one st
 
 struct KqParams : LinParams {
   int32_t plane = 0;  // bytes of one digit plane of a row of x (K rounded up to kSpan)
-  int32_t n_cb = 0;   // blocks of rows (direct::kWarps * kRpg weight rows each)
+  int32_t n_cb = 0;   // blocks of rows (direct::kWarps * kRpg weight rows each, twice that with halves)
+  int32_t halves = 0; // 1: groups of 16 lanes (matvec_direct.cuh)
 };
 
 // Digits of one row of x in shared memory: planes D0, D1, D2 (`plane` bytes each), element
@@ -386,6 +387,7 @@ struct KqReader {
     return nr == 1 ? (q4k ? 3 : 2) : nr == 2 ? 2 : (q4k || mix ? 1 : 2);
   }
   __device__ static int units(const Params& p) { return (int)(p.K / 64); }
+  static int64_t max_chunks(int64_t n_in) { return n_in / 64; }  // (one step: c = lane)
   __device__ static void load(const uint8_t* const (&rows)[kRpg], int nc, int lane, int i, Chunk (&ch)[kRpg],
                               GgmlType t) {
     const int c = lane + kGroup * i;
