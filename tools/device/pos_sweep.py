@@ -5,7 +5,7 @@
 For each model and each variant ("VAR=VALUE;VAR=VALUE", "" for the defaults; each in its own
 process, since the kernels read the environment once), opens the model on cuda:0 with n_ctx
 4200 and times Engine.bench_forward(1, pos, 40) (one decode forward after `pos` positions) for
-pos in 64, 300, 1000 and 4000: the best of 5 medians, in microseconds. Prints a line per model
+pos in 64, 128, 192, 300, 1000 and 4000: the best of 5 medians, in microseconds. Prints a line per model
 and variant and writes them all to OUT.json.
 """
 import json
@@ -14,7 +14,7 @@ import statistics
 import subprocess
 import sys
 
-POSITIONS = [64, 300, 1000, 4000]
+POSITIONS = [64, 128, 192, 300, 1000, 4000]
 
 
 def child(path: str) -> None:

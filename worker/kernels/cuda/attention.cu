@@ -33,7 +33,8 @@
 // head_dim is padded to HD in {64, 128, 256} with zeros (exact: 0 * 0 adds nothing). Block
 // shapes (RMAX, ST): "Dec" for <= 8-16 rows (decode, short verify: long sub-tiles), "Big" for
 // more rows (sm_80+), "Small" where shared memory is 64 KiB (sm_75, AMD); none changes a result.
-// Combine (combine_row): 256 threads per (query, head), in the partial kernel's last block of
+// Combine (combine_row; in the decode kernel combine_rows, a KV head's query heads together, the
+// same operations per head): 256 threads per (query, head), in the partial kernel's last block of
 // the tile or in its own kernel, grid (n_heads, queries).
 //
 // Decode (one query) takes attn_decode_kernel where it applies (see its comment): the same
@@ -96,7 +97,7 @@ __device__ __forceinline__ float comp(const float4& v, int k) { return k == 0 ? 
 // blocks per multiprocessor the registers are budgeted for MINB).
 template <int HD_, int RMAX_, int ST_, int MINB_ = 2>
 struct Cfg {
-  static constexpr int HD = HD_, RMAX = RMAX_, ST = ST_, MINB = MINB_;
+  static constexpr int HD = HD_, RMAX = RMAX_, ST = ST_ < kChunk ? ST_ : kChunk, MINB = MINB_;
   static constexpr int HDP = HD + 4;
   // loop unrolling where the registers allow it (few rows per thread)
   static constexpr int UNROLL1 = RMAX <= 16 ? 2 : 1, UNROLL3 = RMAX <= 16 ? 2 : 1;          // padded row of a K/V tile in floats (no bank conflicts)
@@ -630,6 +631,86 @@ __device__ void combine_row(const AttnParams& P, int r, int h, float* csm) {
   __syncthreads();  // csm is free again
 }
 
+// combine_row for the R (<= kDecMaxRows) query heads h0 .. h0 + R - 1 of launch-local query r
+// at once (attn_decode_kernel's fold: one block, the heads of a KV head): per head exactly
+// combine_row's operations in its order (the same bits as a verify's rows), with the heads'
+// L2 reads in flight together instead of one head's after another's (a head's combine is a
+// few dependent L2 round trips: 8B decode at >= 256 positions paid them 4 times per layer).
+// Warp i < R takes head i's statistics; thread (k, d) its chunk class k for every head; the
+// last sums a thread per (head, 4 dims). csm: combine_rows_floats(R, n_chunks, hd) floats.
+__host__ __device__ constexpr int64_t combine_rows_floats(int64_t rows, int64_t n_chunks, int64_t hd) {
+  return rows * (((n_chunks + 3) & ~int64_t(3)) + (kAttnThreads / (hd / 4)) * (hd + 1));
+}
+
+constexpr int kDecMaxRows = 8;  // query heads per KV head the decode kernel takes
+
+__device__ void combine_rows(const AttnParams& P, int r, int h0, int R, float* csm) {
+  const int64_t p = (int64_t)*P.d_pos0 + P.r0 + r;
+  const int nc = (int)min64(P.n_chunks, p / kChunk + 1);
+  if (nc <= 1) return;  // finished by the partial kernel
+  const int nc4 = (P.n_chunks + 3) & ~3, d4s = P.hd / 4, K = kAttnThreads / d4s;
+  const int64_t ur = (int64_t)r * P.n_heads + h0;  // (query r, head h0): head i's partials at (ur + i) * n_chunks
+  float* w = csm;                          // [R, nc4]
+  float* partA = w + R * nc4;              // [R, K, hd] (16-byte aligned: nc4 % 4 == 0)
+  float* partL = partA + R * K * P.hd;     // [R, K]
+  const int warp = threadIdx.x / kGroup, lane = threadIdx.x % kGroup;
+
+  if (warp < R) {  // M = max_c m_c (exact in any order), then w_c = exp(m_c - M)
+    const float* mlp = P.work_ml + 2 * (ur + warp) * P.n_chunks;
+    float m = -INFINITY;
+    for (int c = lane; c < nc; c += kGroup) {
+      const float x = gpu_load_l2(mlp + 2 * c);
+      w[warp * nc4 + c] = x;
+      m = fmaxf(m, x);
+    }
+    m = group_max(m);
+    for (int c = lane; c < nc; c += kGroup) w[warp * nc4 + c] = exp_diff(w[warp * nc4 + c], m);
+  }
+  __syncthreads();
+
+  const int k = threadIdx.x / d4s, d = (threadIdx.x % d4s) * 4;
+  if (k < K) {
+    float4 a[kDecMaxRows];
+    float l[kDecMaxRows];
+#pragma unroll
+    for (int i = 0; i < kDecMaxRows; ++i) {
+      a[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+      l[i] = 0.f;
+    }
+    for (int c = k; c < nc; c += K) {
+#pragma unroll
+      for (int i = 0; i < kDecMaxRows; ++i) {
+        if (i >= R) break;
+        const int64_t u = (ur + i) * P.n_chunks + c;
+        const float wc = w[i * nc4 + c];
+        fma4(a[i], wc, gpu_load_l2(reinterpret_cast<const float4*>(P.work_o + u * P.hd + d)));
+        l[i] = fmaf(wc, gpu_load_l2(P.work_ml + 2 * u + 1), l[i]);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kDecMaxRows; ++i) {
+      if (i >= R) break;
+      *reinterpret_cast<float4*>(partA + (i * K + k) * P.hd + d) = a[i];
+      if (d == 0) partL[i * K + k] = l[i];
+    }
+  }
+  __syncthreads();
+  for (int t = threadIdx.x; t < R * d4s; t += kAttnThreads) {
+    const int i = t / d4s, dd = (t % d4s) * 4;
+    const float* A = partA + i * K * P.hd;
+    float4 a = *reinterpret_cast<const float4*>(A + dd);
+    float L = partL[i * K];
+    for (int j = 1; j < K; ++j) {
+      const float4 b = *reinterpret_cast<const float4*>(A + j * P.hd + dd);
+      a = make_float4(__fadd_rn(a.x, b.x), __fadd_rn(a.y, b.y), __fadd_rn(a.z, b.z), __fadd_rn(a.w, b.w));
+      L = __fadd_rn(L, partL[i * K + j]);
+    }
+    *reinterpret_cast<float4*>(P.out + ((int64_t)(P.r0 + r) * P.n_heads + h0 + i) * P.hd + dd) =
+        make_float4(__fdiv_rn(a.x, L), __fdiv_rn(a.y, L), __fdiv_rn(a.z, L), __fdiv_rn(a.w, L));
+  }
+  __syncthreads();  // csm is free again
+}
+
 // grid (n_heads, nq): one block per (query, head), where the partial kernel cannot combine
 // (fold = 0: its shared memory is too small for the chunk count). Dynamic shared memory:
 // combine_floats(n_chunks, hd) floats.
@@ -658,7 +739,6 @@ __global__ void __launch_bounds__(kAttnThreads) attn_combine_kernel(const AttnPa
 // When the ring holds the whole chunk (nb >= 2 * sub-tiles) every copy is issued before the
 // wait; otherwise buffers are refilled as they are consumed.
 constexpr int kDecST = 64;                            // positions per sub-tile
-constexpr int kDecMaxRows = 8;                        // query heads per KV head the kernel takes
 constexpr int kDecMaxBufs = 8;                        // a whole chunk's K and V (dec_wait)
 constexpr int kDecMinBufs = 4;                        // fewer: the general kernel (launch_dec_hd)
 
@@ -969,7 +1049,7 @@ __global__ void __launch_bounds__(kAttnThreads) attn_decode_kernel(const AttnPar
   // (the flag in ml, read above: fold_last's first barrier orders it)
   const int n_live = min(P.n_chunks - 1, pos0 / kChunk) + 1;
   if (P.fold && n_live > 1 && fold_last(P.counters + g, n_live, reinterpret_cast<int*>(ml)))
-    for (int r = 0; r < R; ++r) combine_row(P, 0, g * R + r, reinterpret_cast<float*>(smem4));
+    combine_rows(P, 0, g * R, R, reinterpret_cast<float*>(smem4));
 }
 
 // ---- host side
@@ -979,6 +1059,16 @@ int n_chunks_of(int64_t n_ctx) { return (int)ceil_div(n_ctx, kChunk); }
 // The fold's counters: one per (row tile, KV head); tiles hold >= 8 rows and a KV head's rows
 // are its query heads, so nq * n_heads / 8 + n_kv covers every block shape.
 size_t counter_count(int64_t nq, int32_t n_heads) { return (size_t)(nq * n_heads / 8 + n_heads); }
+
+// The counters sit first in the workspace, sized for the most queries a launch takes, so they
+// stay where they are whatever n a call has: a verify's partials (more queries, a longer
+// work_o) must never land on the decode steps' counters, which have to be 0 when a launch
+// starts (they were, before 20261201, placed after the call's own partials: a decode step
+// past the first chunk after a verify there read the verify's partials as its count, so its
+// fold combined too early or never, and speculative greedy output left plain greedy's).
+size_t counter_bytes(int32_t n_heads) {
+  return (sizeof(int) * counter_count(kMaxQueriesPerLaunch, n_heads) + 15) / 16 * 16;
+}
 
 // Queries per launch: all of them when no workspace is needed, else at most
 // kMaxQueriesPerLaunch and few enough for the workspace to stay near kWorkBudget.
@@ -1062,7 +1152,8 @@ bool launch_dec_hd(AttnParams P, gpuStream_t s) {
   const size_t smem = (size_t)nb * D::kBuf + D::kTail;
   // the fold's combine works in the ring, q and S (not past them: ml holds its flag)
   const size_t fold_room = (size_t)nb * D::kBuf + sizeof(float) * kDecMaxRows * (HD + kChunk);
-  P.fold = P.n_chunks > 1 && !fold_off() && sizeof(float) * (size_t)combine_floats(P.n_chunks, P.hd) <= fold_room;
+  P.fold = P.n_chunks > 1 && !fold_off() &&
+           sizeof(float) * (size_t)combine_rows_floats(P.group, P.n_chunks, P.hd) <= fold_room;
   auto kern = attn_decode_kernel<HD, KvT>;
   SPECD_GPU_CHECK(gpuFuncSetAttribute(kern, gpuFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   gpu_launch("attn_decode_kernel", kern, dim3((unsigned)(P.n_chunks * P.n_kv)), dim3(kAttnThreads), smem, s, P, nb);
@@ -1105,7 +1196,7 @@ size_t attention_workspace_bytes(int64_t n, int64_t n_ctx, int32_t n_heads, int3
   const int64_t nc = n_chunks_of(n_ctx);
   if (nc <= 1) return 0;
   const int64_t nq = queries_per_launch(n, n_ctx, n_heads, head_dim);
-  return sizeof(float) * (size_t)(nq * n_heads * nc * (head_dim + 2)) + sizeof(int) * counter_count(nq, n_heads);
+  return counter_bytes(n_heads) + sizeof(float) * (size_t)(nq * n_heads * nc * (head_dim + 2));
 }
 
 AttnArgs attention_args(const RopeKvArgs& r) {
@@ -1154,9 +1245,9 @@ void attention(const AttnArgs& a, gpuStream_t s) {
   P.k = a.k_cache;
   P.v = a.v_cache;
   P.out = a.out;
-  P.work_o = static_cast<float*>(a.work);
+  P.counters = static_cast<int*>(a.work);
+  P.work_o = a.work ? reinterpret_cast<float*>(static_cast<char*>(a.work) + counter_bytes(a.n_heads)) : nullptr;
   P.work_ml = P.work_o ? P.work_o + (size_t)nq * a.n_heads * nc * a.head_dim : nullptr;
-  P.counters = P.work_ml ? reinterpret_cast<int*>(P.work_ml + (size_t)nq * a.n_heads * nc * 2) : nullptr;
   P.d_pos0 = a.d_pos0;
   P.n_ctx = (int32_t)a.n_ctx;
   P.n_heads = a.n_heads;

@@ -29,7 +29,11 @@
 namespace specd {
 namespace gpu {
 
-constexpr int64_t kAttnChunk = 256;
+#ifndef SPECD_ATTN_CHUNK
+#define SPECD_ATTN_CHUNK 256
+#endif
+constexpr int64_t kAttnChunk = SPECD_ATTN_CHUNK;  // (a multiple of 64; -D for experiments)
+static_assert(kAttnChunk % 64 == 0 && kAttnChunk <= 256, "attention chunk");
 // Calls of at most this many queries take rope_kv's step inside the attention kernel (below):
 // decode. (Measured on the H200, 20261201: fused 16-row verifies were 5-15 % slower, the block's
 // eight warps norming and roping up to 96 heads one after another.)
