@@ -4,7 +4,8 @@ For each model file (given, or generated on the spot by tools/gen_gguf.py with -
 specd's engine on the GPU measures, in a child process of its own (a crash or an out-of-memory
 error is recorded and the next model runs):
   - decode tok/s: greedy generation (a 64-token random prompt, then 128 `step()`s; with the
-    engine's run-ahead, the GPU default, and alternately without it: decode_gen_no_ahead) and
+    engine's run-ahead, the GPU default of two forwards queued ahead, and alternately with one,
+    decode_gen_ahead1, and none, decode_gen_no_ahead) and
     `bench_forward(1, 64)` (one forward of one position after 64, device-synchronised);
   - prefill tok/s: `bench_forward(n, 0, all_rows=False)` for n in 512, 4096;
   - verify cost: `bench_forward(k, 64)` / `bench_forward(1, 64)` for k in 2, 4, 8, 16, 17, 32
@@ -245,10 +246,12 @@ def measure_specd(path: Path, args: argparse.Namespace, res: dict) -> None:
     def generate() -> None:
         """The serving path: greedy steps through Sequence, a host round trip per token; with
         the engine's run-ahead (the default on a GPU: each step queues the returned token's
-        forward) and, as "decode_gen_no_ahead", without it (the same engine, runs alternating)."""
+        forward and the one after it), as "decode_gen_ahead1" with one forward queued ahead and
+        as "decode_gen_no_ahead" without (the same engine, runs alternating)."""
         rng = np.random.default_rng(0)
         default = getattr(eng, "run_ahead", None)
-        modes = [("decode_gen", default)] + ([("decode_gen_no_ahead", False)] if default else [])
+        modes = ([("decode_gen", default)] + ([("decode_gen_ahead1", 1)] if default and default > 1 else [])
+                 + ([("decode_gen_no_ahead", 0)] if default else []))
         runs: dict[str, list] = {key: [] for key, _ in modes}
         for r in range(args.gen_repeats + 1):  # the first run warms up
             for key, ahead in modes:
@@ -276,7 +279,9 @@ def measure_specd(path: Path, args: argparse.Namespace, res: dict) -> None:
             res[key] = {"tokens": args.gen, "prompt": PROMPT, "run_ahead": ahead, "runs": runs[key],
                         "tok_s": statistics.median(x["decode_tok_s"] for x in runs[key])}
         plain = res.get("decode_gen_no_ahead", {}).get("tok_s")
+        one = res.get("decode_gen_ahead1", {}).get("tok_s")
         print(f"  specd: greedy decode {res['decode_gen']['tok_s']:.1f} tok/s"
+              + (f" (one forward ahead {one:.1f})" if one else "")
               + (f" (without run-ahead {plain:.1f})" if plain else ""), flush=True)
 
     def speculate() -> None:
@@ -444,6 +449,7 @@ def summarize(row: dict, prefill: list[int]) -> None:
     s, l, floor = row.get("specd", {}), row.get("llama", {}), row["floor_tok_s"]
     h = {
         "decode_gen_tok_s": s.get("decode_gen", {}).get("tok_s"),
+        "decode_gen_ahead1_tok_s": s.get("decode_gen_ahead1", {}).get("tok_s"),
         "decode_gen_no_ahead_tok_s": s.get("decode_gen_no_ahead", {}).get("tok_s"),
         "decode_fwd_tok_s": s.get("decode_forward", {}).get("tok_s"),
         "llama_decode_tok_s": l.get("decode", {}).get("tok_s"),

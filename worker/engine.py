@@ -107,6 +107,18 @@ def check_same_vocabulary(target: ModelFile, draft: ModelFile) -> None:
     )
 
 
+MAX_RUN_AHEAD = 2  # KvStore::kMaxAhead
+
+
+def _run_ahead_depth(value: bool | int) -> int:
+    """run_ahead as the engine's depth: False / True are 0 / 1, else an integer 0..2."""
+    if isinstance(value, bool):
+        return int(value)
+    if not isinstance(value, int) or not 0 <= value <= MAX_RUN_AHEAD:
+        raise InvalidRequestError(f"run_ahead must be True, False, None or an integer 0..{MAX_RUN_AHEAD}, got {value!r}")
+    return value
+
+
 class Engine:
     """One resident model: the native engine built over `model`'s memmapped tensors.
 
@@ -120,9 +132,11 @@ class Engine:
     on the CUDA cores (H200, 2026-12-01); None = on when a draft model is given, i.e. for an
     engine that speculates), run_ahead (when step() returns a greedy
     token computed on the device, it queues that token's forward before returning, so the
-    device works while the caller streams the token; the next step() only waits for it. None
-    = on for GPU devices; True also on the CPU, where the forward then runs inside the
-    returning step: for tests; the tokens are the same either way). A file whose tensors do
+    device works while the caller streams the token; the next step() only waits for it. 2
+    also queues the forward after it, fed that forward's argmax on the device, so the device
+    never waits for the host between steps. None = 2 for GPU devices, off on the CPU; False /
+    0 off; True / 1 one forward ahead; 1 and 2 also on the CPU, where the forwards then run
+    inside the returning step: for tests; the tokens are the same either way). A file whose tensors do
     not match its metadata, or a draft whose vocabulary differs, raises ModelLoadError; bad
     options raise InvalidRequestError.
     """
@@ -138,12 +152,13 @@ class Engine:
         draft_model: ModelFile | None = None,
         device: str = "cpu",
         tensor_cores: bool | None = None,
-        run_ahead: bool | None = None,
+        run_ahead: bool | int | None = None,
     ) -> None:
         check_device(device)
-        for name, flag in (("tensor_cores", tensor_cores), ("run_ahead", run_ahead)):
-            if flag is not None and not isinstance(flag, bool):
-                raise InvalidRequestError(f"{name} must be True, False or None, got {flag!r}")
+        if tensor_cores is not None and not isinstance(tensor_cores, bool):
+            raise InvalidRequestError(f"tensor_cores must be True, False or None, got {tensor_cores!r}")
+        if run_ahead is not None:
+            run_ahead = _run_ahead_depth(run_ahead)
         if kv_type not in KV_TYPES:
             raise InvalidRequestError(f"kv_type must be one of {', '.join(KV_TYPES)}, got {kv_type!r}")
         for name, value, low in (("n_ctx", n_ctx, 1), ("n_threads", n_threads, 1), ("max_batch", max_batch, 1)):
@@ -197,15 +212,13 @@ class Engine:
         return list(self._engine().bench_forward(int(n_tokens), int(pos0), int(reps), bool(all_rows)))
 
     @property
-    def run_ahead(self) -> bool:
-        """Whether greedy steps queue their token's forward before returning (the option)."""
-        return bool(self._engine().run_ahead)
+    def run_ahead(self) -> int:
+        """How many forwards greedy steps queue ahead before returning (0: none; the option)."""
+        return int(self._engine().run_ahead)
 
     @run_ahead.setter
-    def run_ahead(self, on: bool) -> None:
-        if not isinstance(on, bool):
-            raise InvalidRequestError(f"run_ahead must be True or False, got {on!r}")
-        self._engine().run_ahead = on
+    def run_ahead(self, depth: bool | int) -> None:
+        self._engine().run_ahead = _run_ahead_depth(depth)
 
     def memory(self) -> dict[str, Any]:
         """Bytes of weights, KV caches and scratch, and the device's total/free memory."""

@@ -269,11 +269,13 @@ def test_sampling_after_device_greedy_reads_the_kept_logits(tmp_path):
 
 @pytest.mark.parametrize("weight_type", ["Q8_0", "F16"])
 def test_run_ahead_changes_nothing_a_caller_sees(tmp_path, weight_type):
-    """A GPU engine queues each greedy step's forward as step() returns the token (run-ahead,
-    on by default): two sequences stepping in turn, prefill after greedy steps, truncate(n_past)
-    then sampling from the kept logits (the queued forward wrote the other logits buffer),
-    closing a sequence with a forward queued, and the end of the context give the same tokens,
-    logits and errors as an engine without it."""
+    """A GPU engine queues each greedy step's forward as step() returns the token, and the one
+    after it fed its argmax on the device (run-ahead, 2 by default): two sequences stepping in
+    turn (each settles the other's: the next forward then takes the settled token from the
+    host), prefill after greedy steps, truncate(n_past) then sampling from the kept logits
+    (the queued forwards wrote other logits buffers), closing a sequence with forwards queued,
+    and the end of the context give the same tokens, logits and errors as an engine without
+    it, and as one with a single forward ahead."""
     from worker.engine import Engine, EngineError
     from worker.model_file import open_model
 
@@ -309,8 +311,12 @@ def test_run_ahead_changes_nothing_a_caller_sees(tmp_path, weight_type):
 
     with Engine(open_model(path), device=_device(), n_ctx=64, run_ahead=False) as eng:
         plain = script(eng)
+    with Engine(open_model(path), device=_device(), n_ctx=64, run_ahead=1) as eng:
+        ahead1 = script(eng)
     with Engine(open_model(path), device=_device(), n_ctx=64) as eng:
+        assert eng.run_ahead == 2
         ahead = script(eng)
+    assert ahead1 == plain
     assert ahead == plain
 
 

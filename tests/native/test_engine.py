@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from worker.engine import Engine, EngineError, ops
+from worker.errors import InvalidRequestError
 from worker.model_file import open_model
 
 DEMO = Path(os.environ.get("SPECD_HOME", Path.home() / ".cache" / "specd")) / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -44,11 +45,12 @@ def model():
     return open_model(demo_path())
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["plain", "run-ahead"])
+@pytest.fixture(scope="module", params=[0, 1, 2], ids=["plain", "run-ahead", "run-ahead-2"])
 def engine(model, request):
-    # Every protocol test runs twice: the second engine queues each greedy step's forward as
-    # it returns the token (EngineOptions::run_ahead; on the CPU the forward runs inside the
-    # returning step), which must change nothing a caller can see.
+    # Every protocol test runs three times: the second engine queues each greedy step's forward
+    # as it returns the token, the third that forward and the next one, chained on its argmax
+    # (EngineOptions::run_ahead; on the CPU the forwards run inside the returning step), which
+    # must change nothing a caller can see.
     with Engine(model, n_threads=2, n_ctx=512, run_ahead=request.param) as eng:
         yield eng
 
@@ -348,3 +350,19 @@ def test_run_ahead_changes_nothing_a_caller_sees(model, prompt) -> None:
     with Engine(model, n_threads=2, n_ctx=64, run_ahead=True) as eng:
         ahead = script(eng)
     assert ahead == plain
+    with Engine(model, n_threads=2, n_ctx=64, run_ahead=2) as eng:  # two forwards queued ahead
+        assert eng.run_ahead == 2
+        ahead2 = script(eng)
+        eng.run_ahead = 1  # a smaller depth later: the queued forwards are still used
+        assert eng.run_ahead == 1
+    assert ahead2 == plain
+
+
+@pytest.mark.parametrize("bad", [3, -1, 1.5, "2"])
+def test_run_ahead_depth_is_checked(model, bad) -> None:
+    with pytest.raises(InvalidRequestError, match="run_ahead must be"):
+        Engine(model, n_threads=2, n_ctx=64, run_ahead=bad)
+    with Engine(model, n_threads=2, n_ctx=64) as eng:
+        assert eng.run_ahead == 0  # the CPU default: off
+        with pytest.raises(InvalidRequestError, match="run_ahead must be"):
+            eng.run_ahead = bad

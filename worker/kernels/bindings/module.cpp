@@ -286,9 +286,9 @@ PYBIND11_MODULE(_specd, m) {
       .def_property_readonly("device", [](PyEngine& e) { return e.engine->device(); })
       .def_property(
           "run_ahead", [](PyEngine& e) { return e.engine->run_ahead(); },
-          [](PyEngine& e, bool on) {
+          [](PyEngine& e, int32_t depth) {
             py::gil_scoped_release nogil;
-            e.engine->set_run_ahead(on);
+            e.engine->set_run_ahead(depth);
           })
       .def(
           "bench_forward",

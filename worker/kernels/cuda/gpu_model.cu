@@ -80,7 +80,10 @@ struct Staging {
   }
 };
 
-// A graph captured for one KV store (small forwards; key: (n * 4 + head) * 2 + logits buffer)
+// Logits buffers of a KV store: the current one and one per forward queued ahead.
+constexpr int kSlots = 1 + KvStore::kMaxAhead;
+
+// A graph captured for one KV store (small forwards; key: (n * 4 + head) * kSlots + logits buffer)
 // and the scratch epoch it was captured in.
 struct KvGraph {
   gpuGraphExec_t exec = nullptr;
@@ -98,9 +101,9 @@ struct KvParts {
   int64_t n_ctx = 0;
   bool f16 = true;
   size_t layer_bytes = 0;
-  DeviceBuffer k, v, logits[2];
+  DeviceBuffer k, v, logits[kSlots];
   KvGraphs graphs;
-  size_t bytes() const { return k.size() + v.size() + logits[0].size() + logits[1].size(); }
+  size_t bytes() const { return k.size() + v.size() + logits[0].size() + logits[1].size() + logits[2].size(); }
 };
 
 // Caches of freed sequences, kept for the next ones of the same size: their memory is not
@@ -176,10 +179,11 @@ class GpuKv final : public KvStore {
   void* k(int32_t l) const { return p_.k.get<uint8_t>() + (size_t)l * p_.layer_bytes; }
   void* v(int32_t l) const { return p_.v.get<uint8_t>() + (size_t)l * p_.layer_bytes; }
 
-  // Device logits rows of the last small forward, in one of two buffers: `cur`, the one
-  // read_logits reads, which a forward overwrites; a forward queued ahead (start_argmax)
-  // writes the other, so that dropping it leaves the sequence's logits as they were, and
-  // keeping it (keep_ahead) makes that one current. Growing a buffer invalidates the graphs.
+  // Device logits rows of the last small forward, in one of kSlots buffers: `cur`, the one
+  // read_logits reads, which a forward overwrites; forward i queued ahead (start_argmax)
+  // writes buffer (cur + 1 + i) % kSlots, so that dropping them leaves the sequence's logits
+  // as they were, and keeping the oldest (keep_ahead) makes its buffer current. Growing a
+  // buffer invalidates the graphs.
   float* logits(int slot, int64_t rows, int64_t nv) {
     const size_t need = sizeof(float) * (size_t)(rows * nv);
     if (need > p_.logits[slot].size()) {
@@ -275,8 +279,10 @@ class GpuModel final : public ForwardModel {
   }
 
   ~GpuModel() override {
-    for (gpuEvent_t e : ahead_ev_)
-      if (e) (void)gpuEventDestroy(e);
+    for (auto& pair : ahead_ev_)
+      for (gpuEvent_t e : pair)
+        if (e) (void)gpuEventDestroy(e);
+    if (ahead_io_) (void)gpuFreeHost(ahead_io_);
     if (stream_) (void)gpuStreamDestroy(stream_);
   }
 
@@ -324,34 +330,53 @@ class GpuModel final : public ForwardModel {
     kv.last_rows = n;
   }
 
-  // Run-ahead: the decode step is queued (its argmax copied to pinned memory behind it) and
-  // start_argmax returns; its logits go to the KV store's other buffer.
+  // Run-ahead: a decode step is queued (its argmax copied to its slot's pinned memory behind
+  // it) and start_argmax returns; its logits go to the KV store's buffer of that slot. A
+  // chained one (token < 0) takes the argmax the forward before it leaves on the device.
   bool queues_forwards() const override { return true; }
-  // (events around it time the forward for the engine's decode_seconds)
+  // (events around each time the forward for the engine's decode_seconds)
   void start_argmax(KvStore& kvs, int32_t token, int64_t pos0) const override {
     GpuKv& kv = cast(kvs);
+    SPECD_CHECK(kv.ahead_n < KvStore::kMaxAhead, "start_argmax: " + std::to_string(KvStore::kMaxAhead) +
+                                                    " forwards are queued ahead already");
+    SPECD_CHECK(token >= 0 || kv.ahead_n > kv.ahead_fin,
+                "start_argmax: a chained forward needs an unfinished one before it");
     SPECD_GPU_CHECK(gpuSetDevice(index_));
-    if (ahead_ev_[0] == nullptr) {
-      SPECD_GPU_CHECK(gpuEventCreate(&ahead_ev_[0]));
-      SPECD_GPU_CHECK(gpuEventCreate(&ahead_ev_[1]));
+    if (ahead_io_ == nullptr) {
+      SPECD_GPU_CHECK(gpuHostAlloc((void**)&ahead_io_, sizeof(AheadIo) * kSlots, gpuHostAllocDefault));
+      std::memset(ahead_io_, 0, sizeof(AheadIo) * kSlots);
+      for (auto& pair : ahead_ev_)
+        for (gpuEvent_t& e : pair) SPECD_GPU_CHECK(gpuEventCreate(&e));
     }
-    SPECD_GPU_CHECK(gpuEventRecord(ahead_ev_[0], stream_));
-    run(kv, &token, 1, pos0, Head::All, nullptr, /*argmax=*/true, /*ahead=*/true);
-    SPECD_GPU_CHECK(gpuMemcpyAsync(staging_.tops, tops_.get(), sizeof(int32_t), gpuMemcpyDeviceToHost, stream_));
-    SPECD_GPU_CHECK(gpuEventRecord(ahead_ev_[1], stream_));
+    // The buffers of every forward ahead get their row now, while none is in flight (growing
+    // one destroys the graphs, which a queued forward may still be running).
+    if (kv.ahead_n == 0)
+      for (int k = 1; k < kSlots; ++k) kv.logits((kv.cur + k) % kSlots, 1, config().n_vocab);
+    const int slot = (kv.cur + 1 + kv.ahead_n) % kSlots;
+    SPECD_GPU_CHECK(gpuEventRecord(ahead_ev_[slot][0], stream_));
+    run(kv, token >= 0 ? &token : nullptr, 1, pos0, Head::All, nullptr, /*argmax=*/true, slot);
+    SPECD_GPU_CHECK(gpuMemcpyAsync(&ahead_io_[slot].top, tops_.get(), sizeof(int32_t), gpuMemcpyDeviceToHost, stream_));
+    SPECD_GPU_CHECK(gpuEventRecord(ahead_ev_[slot][1], stream_));
+    kv.ahead_n += 1;
   }
   int32_t finish_argmax(KvStore& kvs, double* seconds) const override {
-    cast(kvs);
+    GpuKv& kv = cast(kvs);
+    SPECD_CHECK(kv.ahead_fin < kv.ahead_n, "finish_argmax: no unfinished forward is queued ahead");
     SPECD_GPU_CHECK(gpuSetDevice(index_));
-    SPECD_GPU_CHECK(gpuEventSynchronize(ahead_ev_[1]));
+    const int slot = (kv.cur + 1 + kv.ahead_fin) % kSlots;
+    SPECD_GPU_CHECK(gpuEventSynchronize(ahead_ev_[slot][1]));
     float ms = 0.f;
-    SPECD_GPU_CHECK(gpuEventElapsedTime(&ms, ahead_ev_[0], ahead_ev_[1]));
+    SPECD_GPU_CHECK(gpuEventElapsedTime(&ms, ahead_ev_[slot][0], ahead_ev_[slot][1]));
     *seconds = 1e-3 * (double)ms;
-    return staging_.tops[0];
+    kv.ahead_fin += 1;
+    return ahead_io_[slot].top;
   }
   void keep_ahead(KvStore& kvs) const override {
     GpuKv& kv = cast(kvs);
-    kv.cur = 1 - kv.cur;
+    SPECD_CHECK(kv.ahead_fin >= 1, "keep_ahead: no finished forward is queued ahead");
+    kv.cur = (kv.cur + 1) % kSlots;
+    kv.ahead_n -= 1;
+    kv.ahead_fin -= 1;
     kv.device_rows = 1;
     kv.last_rows = 1;
   }
@@ -434,16 +459,20 @@ class GpuModel final : public ForwardModel {
 
   // Enqueues the forward of tokens at pos0.. on the stream (no synchronisation) and returns
   // the device logits: [n or 1, n_vocab] (kv-owned for small n, model scratch for large n).
-  // ahead (a small forward with every row's logits): they go to the KV store's buffer that
-  // is not current (keep_ahead makes it current).
+  // slot >= 0: a forward ahead (small, every row's logits) into the KV store's logits buffer
+  // `slot`, not the current one (keep_ahead makes it current), its inputs from that slot's
+  // pinned memory; tokens == nullptr (one token, ahead only): the argmax the forward before it
+  // left on the device (tops_[0]).
   const float* run(GpuKv& kv, const int32_t* tokens, int64_t n, int64_t pos0, Head head,
-                   const HiddenCapture* capture, bool argmax = false, bool ahead = false) const {
+                   const HiddenCapture* capture, bool argmax = false, int slot = -1) const {
+    const bool ahead = slot >= 0;
     const ModelConfig& c = config();
     SPECD_CHECK(n > 0, "forward needs at least one token");
     SPECD_CHECK(pos0 >= 0 && pos0 + n <= kv.n_ctx(),
                 "forward of positions " + std::to_string(pos0) + ".." + std::to_string(pos0 + n) +
                     " past the KV cache's " + std::to_string(kv.n_ctx()) + " positions");
-    for (int64_t i = 0; i < n; ++i)
+    SPECD_CHECK(tokens != nullptr || (ahead && n == 1), "forward: tokens missing");
+    for (int64_t i = 0; tokens != nullptr && i < n; ++i)
       SPECD_CHECK(tokens[i] >= 0 && tokens[i] < c.n_vocab, "token id " + std::to_string(tokens[i]) +
                                                                " is out of range [0, " + std::to_string(c.n_vocab) + ")");
     if (capture) {
@@ -454,14 +483,14 @@ class GpuModel final : public ForwardModel {
                         std::to_string(c.n_layers - 1));
     }
     if (argmax) SPECD_CHECK(head == Head::All, "argmax needs every row's logits");
-    if (ahead) SPECD_CHECK(head == Head::All && n <= gpu::kMaxSmallBatch && capture == nullptr,
-                           "a forward ahead is small, with every row's logits");
+    if (ahead) SPECD_CHECK(head == Head::All && n == 1 && capture == nullptr,
+                           "a forward ahead is one position, with its logits");
     SPECD_GPU_CHECK(gpuSetDevice(index_));
     reserve(n, kv.n_ctx());
     const bool small = n <= gpu::kMaxSmallBatch;
     const int64_t nv = c.n_vocab, head_rows = head == Head::All ? n : 1;
     float* logits = nullptr;
-    const int slot = ahead ? 1 - kv.cur : kv.cur;  // the logits buffer this forward writes
+    if (!ahead) slot = kv.cur;  // the logits buffer this forward writes
     if (head != Head::None) {
       if (small) {
         logits = kv.logits(slot, head_rows, nv);
@@ -471,14 +500,19 @@ class GpuModel final : public ForwardModel {
         logits = big_logits_.get<float>();
       }
     }
-    // inputs: position and tokens, in one copy from pinned memory
-    staging_.host[0] = (int32_t)pos0;
-    std::memcpy(staging_.host + kTok0, tokens, sizeof(int32_t) * (size_t)n);
-    SPECD_GPU_CHECK(gpuMemcpyAsync(inputs_.get(), staging_.host, sizeof(int32_t) * (size_t)(kTok0 + n),
+    // inputs: position and tokens, in one copy from pinned memory (a forward ahead: its slot's,
+    // which no other queued copy reads; chained: the position, then the token on the device)
+    int32_t* in = ahead ? ahead_io_[slot].in : staging_.host;
+    in[0] = (int32_t)pos0;
+    if (tokens != nullptr) std::memcpy(in + kTok0, tokens, sizeof(int32_t) * (size_t)n);
+    SPECD_GPU_CHECK(gpuMemcpyAsync(inputs_.get(), in, sizeof(int32_t) * (size_t)(tokens ? kTok0 + n : 1),
                                    gpuMemcpyHostToDevice, stream_));
+    if (tokens == nullptr)
+      SPECD_GPU_CHECK(gpuMemcpyAsync(inputs_.get<int32_t>() + kTok0, tops_.get(), sizeof(int32_t),
+                                     gpuMemcpyDeviceToDevice, stream_));
     if (!ahead) kv.device_rows = 0;
     if (small && capture == nullptr) {
-      const int64_t key = (n * 4 + (int64_t)head) * 2 + slot;
+      const int64_t key = (n * 4 + (int64_t)head) * kSlots + slot;
       KvGraph& g = kv.graphs()[key];
       if (g.exec == nullptr || g.epoch != epoch_) {
         if (g.exec) (void)gpuGraphExecDestroy(g.exec);
@@ -648,7 +682,13 @@ class GpuModel final : public ForwardModel {
   mutable Staging staging_;
   mutable uint64_t epoch_ = 1;
   std::shared_ptr<KvPool> pool_ = std::make_shared<KvPool>();  // freed sequences' caches
-  mutable gpuEvent_t ahead_ev_[2] = {nullptr, nullptr};       // around a forward queued ahead
+  // forwards queued ahead, per logits slot: events around each, pinned inputs and argmax
+  struct AheadIo {
+    int32_t in[kTok0 + 1];  // pos0, (unused), the token at kTok0
+    int32_t top;
+  };
+  mutable gpuEvent_t ahead_ev_[kSlots][2] = {};
+  mutable AheadIo* ahead_io_ = nullptr;
 };
 
 }  // namespace

@@ -73,11 +73,13 @@ struct Engine::Sequence {
   std::vector<int32_t> hidden_layers;  // [L] target layer ids; empty = capture nothing
   std::vector<float> hidden;           // [n, L, dim] captured by the last target forward
 
-  // Run-ahead (Engine::start_ahead): the pending token's forward at n_past was queued when
-  // step() returned it; ahead_top is its argmax once settled. Cleared when used or dropped.
-  bool ahead = false;
-  int32_t ahead_top = -1;
-  double ahead_seconds = 0;  // its time on the device (counted in decode_seconds when used)
+  // Run-ahead (Engine::start_ahead): n_ahead forwards queued when step() returned the
+  // pending token, at positions n_past, n_past + 1, ..., the first taking the pending token,
+  // each later one the argmax of the one before; the first n_settled have been waited for,
+  // their argmax in ahead_top. Used (oldest first) by the next step()s; dropped on a change.
+  int n_ahead = 0, n_settled = 0;
+  int32_t ahead_top[KvStore::kMaxAhead] = {-1, -1};
+  double ahead_seconds[KvStore::kMaxAhead] = {0, 0};  // device time (in decode_seconds when used)
 
   static constexpr uint64_t kDraftStream = 0xd1b54a32d192ed03ull;  // xored into the seed
 
@@ -110,9 +112,10 @@ Engine::Engine(const ModelConfig& cfg, const std::vector<TensorRef>& tensors, co
   SPECD_CHECK(opt.n_threads >= 0, "n_threads must be >= 0 (0 = all cores), got " + std::to_string(opt.n_threads));
   n_ctx_ = opt.n_ctx > 0 ? opt.n_ctx : std::min<int64_t>(c.n_ctx_train, 4096);
   SPECD_CHECK(n_ctx_ <= INT32_MAX, "n_ctx must fit positions in int32, got " + std::to_string(n_ctx_));
-  SPECD_CHECK(opt.run_ahead >= -1 && opt.run_ahead <= 1,
-              "run_ahead must be -1 (auto), 0 or 1, got " + std::to_string(opt.run_ahead));
-  run_ahead_ = opt.run_ahead < 0 ? model_->queues_forwards() : opt.run_ahead == 1;
+  SPECD_CHECK(opt.run_ahead >= -1 && opt.run_ahead <= KvStore::kMaxAhead,
+              "run_ahead must be -1 (auto) or 0.." + std::to_string(KvStore::kMaxAhead) + ", got " +
+                  std::to_string(opt.run_ahead));
+  run_ahead_ = opt.run_ahead >= 0 ? opt.run_ahead : model_->queues_forwards() ? KvStore::kMaxAhead : 0;
   set_num_threads(opt.n_threads);
 }
 
@@ -121,39 +124,60 @@ Engine::~Engine() {
   settle();  // the forward ahead still uses a KV store about to be freed
 }
 
-// Queues the forward of s's pending token (a plain greedy decode step on the device) so
-// that it runs while the caller handles the token step() is returning.
+// Queues the forward of s's pending token (a plain greedy decode step on the device) so that
+// it runs while the caller handles the token step() is returning, and up to run_ahead_
+// forwards in all, each of the argmax of the one before (chained on the device while that
+// one is unfinished), so the device never waits for the host between steps.
 void Engine::start_ahead(Sequence& s) {
-  if (!run_ahead_ || s.pending < 0 || s.drafter || !device_greedy(s) || s.n_past + 1 > n_ctx_) return;
-  try {
-    model_->start_argmax(*s.kv, s.pending, s.n_past);
-  } catch (...) {
-    return;  // nothing kept: the next step() runs the forward itself and reports the error
+  if (run_ahead_ == 0 || s.pending < 0 || s.drafter || !device_greedy(s)) return;
+  while (s.n_ahead < run_ahead_ && s.n_past + s.n_ahead + 1 <= n_ctx_) {
+    const int i = s.n_ahead;
+    const int32_t token = i == 0 ? s.pending : s.n_settled < i ? -1 : s.ahead_top[i - 1];
+    try {
+      model_->start_argmax(*s.kv, token, s.n_past + i);
+    } catch (...) {
+      return;  // nothing more queued: the next step()s run their forwards themselves (and report errors)
+    }
+    s.n_ahead = i + 1;
+    inflight_ = &s;
   }
-  s.ahead = true;
-  inflight_ = &s;
 }
 
-void Engine::set_run_ahead(bool on) {
+void Engine::set_run_ahead(int32_t depth) {
+  SPECD_CHECK(depth >= 0 && depth <= KvStore::kMaxAhead,
+              "run_ahead must be 0.." + std::to_string(KvStore::kMaxAhead) + ", got " + std::to_string(depth));
   std::lock_guard<std::mutex> lock(mu_);
   settle();
-  run_ahead_ = on;  // a forward already queued and settled is still used by its sequence
+  run_ahead_ = depth;  // forwards already queued and settled are still used by their sequence
 }
 
-void Engine::settle() {
+// Waits for the in-flight sequence's queued forwards (all of them, or with `oldest` only the
+// first not yet waited for) and keeps their argmax in the sequence.
+void Engine::settle(bool oldest) {
   Sequence* s = inflight_;
   if (s == nullptr) return;
-  inflight_ = nullptr;
   try {
-    s->ahead_top = model_->finish_argmax(*s->kv, &s->ahead_seconds);
+    while (s->n_settled < s->n_ahead) {
+      const int i = s->n_settled;
+      s->ahead_top[i] = model_->finish_argmax(*s->kv, &s->ahead_seconds[i]);
+      s->n_settled = i + 1;
+      if (oldest) break;
+    }
   } catch (...) {
-    s->ahead = false;  // as above: its next step() forwards again
+    s->n_ahead = s->n_settled;  // the rest is lost: its next step()s forward again
+    s->kv->ahead_n = s->kv->ahead_fin;
   }
+  if (s->n_settled == s->n_ahead) inflight_ = nullptr;
 }
 
-// Forgets s's forward ahead (settled): the K/V row it wrote at n_past is past the sequence's
-// length (overwritten by whatever goes there next) and its logits were never made current.
-void Engine::drop_ahead(Sequence& s) { s.ahead = false; }
+// Forgets s's forwards ahead (settled): the K/V rows they wrote from n_past on are past the
+// sequence's length (overwritten by whatever goes there next) and their logits were never
+// made current.
+void Engine::drop_ahead(Sequence& s) {
+  if (s.n_ahead == 0) return;
+  s.n_ahead = s.n_settled = 0;
+  model_->drop_ahead(*s.kv);
+}
 
 Engine::Sequence& Engine::get(int32_t seq) {
   auto it = seqs_.find(seq);
@@ -389,11 +413,17 @@ void Engine::forward_pending(Sequence& s) {
   if (s.n_past + 1 > n_ctx_) context_exceeded(s.n_past + 1, n_ctx_);
   const int32_t p = s.pending;
   try {
-    if (s.ahead) {  // queued when the last step() returned p (nothing changed since)
-      s.ahead = false;
+    if (s.n_ahead > 0) {  // queued when an earlier step() returned p (nothing changed since)
+      if (s.n_settled == 0) settle(true);  // (step() waited for it already)
       model_->keep_ahead(*s.kv);
-      s.stats.decode_seconds += s.ahead_seconds;  // (the step's own time is added by step())
-      s.top = s.ahead_top;
+      s.stats.decode_seconds += s.ahead_seconds[0];  // (the step's own time is added by step())
+      s.top = s.ahead_top[0];
+      for (int i = 0; i + 1 < s.n_ahead; ++i) {
+        s.ahead_top[i] = s.ahead_top[i + 1];
+        s.ahead_seconds[i] = s.ahead_seconds[i + 1];
+      }
+      s.n_ahead -= 1;
+      s.n_settled -= 1;
       s.logits_on_host = false;
       s.logits_row = 0;
     } else if (device_greedy(s)) {
@@ -406,6 +436,8 @@ void Engine::forward_pending(Sequence& s) {
     }
   } catch (...) {
     s.has_logits = false;  // partly overwritten
+    if (inflight_ == &s) settle();
+    drop_ahead(s);
     s.keep(s.n_past);
     if (s.drafter) s.drafter->rollback(s.n_past);
     throw;
@@ -576,8 +608,10 @@ bool Engine::speculative_step(Sequence& s, int64_t k, std::vector<int32_t>& out)
 
 std::vector<int32_t> Engine::step(int32_t seq) {
   std::lock_guard<std::mutex> lock(mu_);
-  settle();
   Sequence& s = get(seq);
+  // another sequence's forwards ahead are waited for; of s's own only the oldest (this step's
+  // forward), the next stays queued behind it (before t0: a wait is not the step's work)
+  settle(inflight_ == &s);
   if (!s.has_logits)
     throw Error("step() needs logits to sample from: call prefill() first (a new or truncated sequence has none)");
   const auto t0 = Clock::now();

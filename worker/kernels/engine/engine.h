@@ -42,9 +42,12 @@ struct EngineOptions {
   bool tensor_cores = false;   // GPU: decode/verify forwards on tensor cores (make_model); for speculation
   // Run-ahead: when step() returns a greedy token (argmax on the device, no drafter), it
   // queues that token's forward before returning, so the device works while the caller
-  // handles the token; the next step() only waits for it. -1: where the model queues
-  // forwards (GPU); 1: also on the CPU (the forward then runs inside the returning step:
-  // for tests); 0: never. Output is unchanged: the same forward, the same bits.
+  // handles the token; the next step() only waits for it. With 2 it also queues the forward
+  // after it, whose input is that forward's argmax taken on the device, so the device never
+  // idles between steps waiting for the host (the next step() waits for the first and queues
+  // another). -1: 2 where the model queues forwards (GPU), else 0; 1 or 2: also on the CPU
+  // (the forwards then run inside the returning step: for tests); 0: never. Output is
+  // unchanged: the same forwards, the same bits.
   int32_t run_ahead = -1;
 };
 
@@ -122,8 +125,8 @@ class Engine {
   std::string device() const { return model_->device(); }
   int64_t n_ctx() const { return n_ctx_; }
   // EngineOptions::run_ahead after construction (benchmarks compare both in one engine).
-  bool run_ahead() const { return run_ahead_; }
-  void set_run_ahead(bool on);
+  int32_t run_ahead() const { return run_ahead_; }
+  void set_run_ahead(int32_t depth);
 
  private:
   struct Sequence;
@@ -137,12 +140,13 @@ class Engine {
   bool speculative_step(Sequence& s, int64_t k, std::vector<int32_t>& out);
   void target_forward(Sequence& s, const int32_t* tokens, int64_t n, float* logits, bool all_logits);
   void commit(Sequence& s, int64_t n_new, int64_t row0 = 0);
-  // Run-ahead (EngineOptions::run_ahead). At most one forward is queued ahead at a time:
-  // every call that may touch the model or a KV store first settles it (waits for it and
-  // keeps its argmax in the sequence); a call that changes the sequence drops it.
+  // Run-ahead (EngineOptions::run_ahead). One sequence at a time has forwards queued ahead:
+  // every call that may touch the model or a KV store first settles them (waits for them and
+  // keeps their argmax in the sequence; a step() of that sequence waits for its oldest only);
+  // a call that changes the sequence drops them.
   void start_ahead(Sequence& s);
-  void settle();
-  static void drop_ahead(Sequence& s);
+  void settle(bool oldest = false);
+  void drop_ahead(Sequence& s);
 
   std::unique_ptr<ForwardModel> model_;
   std::unique_ptr<ForwardModel> draft_model_;  // mode "draft" (same device); null = none
@@ -151,8 +155,8 @@ class Engine {
   int64_t n_ctx_ = 0;
   int32_t next_id_ = 1;
   std::unordered_map<int32_t, std::unique_ptr<Sequence>> seqs_;
-  bool run_ahead_ = false;
-  Sequence* inflight_ = nullptr;  // whose forward ahead is queued and not yet waited for
+  int32_t run_ahead_ = 0;          // forwards queued ahead at most (EngineOptions::run_ahead)
+  Sequence* inflight_ = nullptr;  // whose forwards ahead are queued and not all waited for
   mutable std::mutex mu_;  // one engine call at a time (the GIL is released inside)
 };
 

@@ -26,17 +26,39 @@ void ForwardModel::forward_argmax(KvStore& kv, const int32_t* tokens, int64_t n,
 }
 
 void ForwardModel::start_argmax(KvStore& kv, int32_t token, int64_t pos0) const {
+  SPECD_CHECK(kv.ahead_n < KvStore::kMaxAhead, "start_argmax: " + std::to_string(KvStore::kMaxAhead) +
+                                                  " forwards are queued ahead already");
+  const int i = kv.ahead_n;
+  if (token < 0) {
+    SPECD_CHECK(i > kv.ahead_fin, "start_argmax: a chained forward needs an unfinished one before it");
+    token = kv.ahead_top[i - 1];  // (computed already: the defaults run the forward in start_argmax)
+  }
   const int64_t nv = config().n_vocab;
-  kv.ahead_logits.resize((size_t)nv);
-  kv.ahead_top = -1;
+  kv.ahead_logits[i].resize((size_t)nv);
   const auto t0 = std::chrono::steady_clock::now();
-  forward(kv, &token, 1, pos0, kv.ahead_logits.data(), true);
-  kv.ahead_top = argmax(kv.ahead_logits.data(), nv);
-  kv.ahead_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  forward(kv, &token, 1, pos0, kv.ahead_logits[i].data(), true);
+  kv.ahead_top[i] = argmax(kv.ahead_logits[i].data(), nv);
+  kv.ahead_seconds[i] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  kv.ahead_n = i + 1;
+}
+
+int32_t ForwardModel::finish_argmax(KvStore& kv, double* seconds) const {
+  SPECD_CHECK(kv.ahead_fin < kv.ahead_n, "finish_argmax: no unfinished forward is queued ahead");
+  const int i = kv.ahead_fin++;
+  *seconds = kv.ahead_seconds[i];
+  return kv.ahead_top[i];
 }
 
 void ForwardModel::keep_ahead(KvStore& kv) const {
-  std::swap(kv.last_logits, kv.ahead_logits);
+  SPECD_CHECK(kv.ahead_fin >= 1, "keep_ahead: no finished forward is queued ahead");
+  std::swap(kv.last_logits, kv.ahead_logits[0]);
+  for (int i = 0; i + 1 < kv.ahead_n; ++i) {
+    std::swap(kv.ahead_logits[i], kv.ahead_logits[i + 1]);
+    kv.ahead_top[i] = kv.ahead_top[i + 1];
+    kv.ahead_seconds[i] = kv.ahead_seconds[i + 1];
+  }
+  kv.ahead_n -= 1;
+  kv.ahead_fin -= 1;
   kv.last_rows = 1;
 }
 

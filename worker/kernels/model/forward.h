@@ -34,10 +34,14 @@ class KvStore {
   // Host copy of the logits of the last forward_argmax (the CPU path keeps them here).
   std::vector<float> last_logits;
   int64_t last_rows = 0;
-  // The default start_argmax's logits, argmax and duration (ForwardModel below).
-  std::vector<float> ahead_logits;
-  int32_t ahead_top = -1;
-  double ahead_seconds = 0;
+  // Forwards queued ahead (ForwardModel::start_argmax), oldest first: ahead_n queued and not
+  // yet kept or dropped, the first ahead_fin of them finished. The default start_argmax's
+  // logits, argmax and duration of each.
+  static constexpr int kMaxAhead = 2;
+  int ahead_n = 0, ahead_fin = 0;
+  std::vector<float> ahead_logits[kMaxAhead];
+  int32_t ahead_top[kMaxAhead] = {-1, -1};
+  double ahead_seconds[kMaxAhead] = {0, 0};
 };
 
 struct MemoryInfo {
@@ -68,21 +72,22 @@ class ForwardModel {
   virtual void forward_argmax(KvStore& kv, const int32_t* tokens, int64_t n, int64_t pos0, int32_t* out) const;
   virtual void read_logits(const KvStore& kv, int64_t row, float* out) const;
 
-  // A decode step queued ahead (the engine's run-ahead, EngineOptions::run_ahead):
-  // start_argmax forwards `token` at pos0 like forward_argmax, but where queues_forwards() it
-  // returns once the work is queued on the device; finish_argmax waits for it and returns the
-  // argmax, and in *seconds how long the forward took from start_argmax to its end (device
-  // time, not the wait). Its logits do not replace those read_logits reads until
-  // keep_ahead(kv); without it they are dropped (the K/V row written at pos0 is the one the
-  // same step writes again). Between start and finish the caller makes no other call on this
+  // Decode steps queued ahead (the engine's run-ahead, EngineOptions::run_ahead), up to
+  // KvStore::kMaxAhead per KV store, oldest first: start_argmax forwards `token` at pos0 like
+  // forward_argmax (token < 0: the argmax of the forward queued just before it on this kv,
+  // not yet finished, taken on the device: a chain of steps with no host round trip), but
+  // where queues_forwards() it returns once the work is queued on the device; finish_argmax
+  // waits for the oldest not yet finished and returns its argmax, and in *seconds how long
+  // that forward took on the device (not the wait). Their logits do not replace those
+  // read_logits reads until keep_ahead(kv), which makes the oldest finished one's current and
+  // removes it; drop_ahead(kv) forgets them all (finished: the K/V rows they wrote are past
+  // the sequence's length). Between start and finish the caller makes no other call on this
   // model. The defaults run the forward inside start_argmax.
   virtual bool queues_forwards() const { return false; }
   virtual void start_argmax(KvStore& kv, int32_t token, int64_t pos0) const;
-  virtual int32_t finish_argmax(KvStore& kv, double* seconds) const {
-    *seconds = kv.ahead_seconds;
-    return kv.ahead_top;
-  }
+  virtual int32_t finish_argmax(KvStore& kv, double* seconds) const;
   virtual void keep_ahead(KvStore& kv) const;
+  virtual void drop_ahead(KvStore& kv) const { kv.ahead_n = kv.ahead_fin = 0; }
 
   // Host views of the token embedding and output head (drafters such as DFlash reuse them).
   virtual const WeightView& token_embedding() const = 0;
