@@ -136,9 +136,9 @@ class Engine:
     also queues the forward after it, fed that forward's argmax on the device, so the device
     never waits for the host between steps. None = 2 for GPU devices, off on the CPU; False /
     0 off; True / 1 one forward ahead; 1 and 2 also on the CPU, where the forwards then run
-    inside the returning step: for tests; the tokens are the same either way). A file whose tensors do
-    not match its metadata, or a draft whose vocabulary differs, raises ModelLoadError; bad
-    options raise InvalidRequestError.
+    inside the returning step: for tests; the tokens are the same either way). A file whose
+    tensors do not match its metadata, or a draft whose vocabulary differs, raises
+    ModelLoadError; bad options raise InvalidRequestError.
     """
 
     def __init__(
@@ -166,7 +166,7 @@ class Engine:
                 raise InvalidRequestError(f"{name} must be an integer >= {low}, got {value!r}")
         options: dict[str, Any] = {"kv_type": kv_type, "max_batch": max_batch, "device": device,
                                    "tensor_cores": draft_model is not None if tensor_cores is None else tensor_cores,
-                                   "run_ahead": -1 if run_ahead is None else int(run_ahead)}
+                                   "run_ahead": -1 if run_ahead is None else run_ahead}
         if n_ctx is not None:
             options["n_ctx"] = n_ctx
         if n_threads is not None:

@@ -103,7 +103,11 @@ struct KvParts {
   size_t layer_bytes = 0;
   DeviceBuffer k, v, logits[kSlots];
   KvGraphs graphs;
-  size_t bytes() const { return k.size() + v.size() + logits[0].size() + logits[1].size() + logits[2].size(); }
+  size_t bytes() const {
+    size_t b = k.size() + v.size();
+    for (const DeviceBuffer& l : logits) b += l.size();
+    return b;
+  }
 };
 
 // Caches of freed sequences, kept for the next ones of the same size: their memory is not

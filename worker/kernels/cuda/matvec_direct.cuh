@@ -4,25 +4,26 @@
 // weight bytes it sums straight into registers, with no staging through shared memory.
 //
 // Work: 256 threads = 8 groups of 32 lanes; a group owns kRpg = 2 weight rows (a gate / up
-// pair for SwiGLU) of a CTA-sized block of 16 rows (group_rows, linear_params.cuh);
-// persistent CTAs take the blocks blockIdx.x, + gridDim.x, ...; grid.y = tiles of NR <= 4
-// rows of x. Half groups (p.halves, where the reader says a row has at most 16 chunks: the
-// digit reader at K <= 1024, where lanes 16..31 would hold no chunk): each 16 lanes act as a
-// group of their own, so a CTA takes blocks of 32 rows; a lane's sums are the same, and the
-// reduction over 16 lanes adds what the 32-lane butterfly adds (its first step only adds
-// +0: half_sum), so every row keeps its bits. A row is read in steps of R::kSpan chunks (the reader's unit of loading); the
-// next step's loads are in flight while one is summed, the first is issued before the grid
-// dependency wait (weights only: it overlaps the end of the kernel this one depends on), and
-// the stream runs on into the next block of rows. x (times the norm weight) is prepared once
-// per CTA in shared memory by the reader; the RMSNorm factor inv_r multiplies each row's sum
-// at the end. A lane adds its chunks in order and the group reduces with a fixed butterfly,
-// so a row's result depends only on its weights and K: batch-invariant for every n <= 64.
+// pair for SwiGLU) of a CTA-sized block of 16 rows (group_rows, linear_params.cuh); persistent
+// CTAs take the blocks blockIdx.x, + gridDim.x, ...; grid.y = tiles of NR <= 4 rows of x. Half
+// groups (p.halves, where the reader says a row has at most 16 chunks: the digit reader at K
+// <= 1024, where lanes 16..31 would hold no chunk): each 16 lanes act as a group of their own,
+// so a CTA takes blocks of 32 rows; a lane's sums are the same, and the reduction over 16
+// lanes adds what the 32-lane butterfly adds (its first step only adds +0: half_sum), so every
+// row keeps its bits. A row is read in steps of R::kSpan chunks (the reader's unit of
+// loading); the next step's loads are in flight while one is summed, the first is issued
+// before the grid dependency wait (weights only: it overlaps the end of the kernel this one
+// depends on), and the stream runs on into the next block of rows. x (times the norm weight)
+// is prepared once per CTA in shared memory by the reader; the RMSNorm factor inv_r multiplies
+// each row's sum at the end. A lane adds its chunks in order and the group reduces with a
+// fixed butterfly, so a row's result depends only on its weights and K: batch-invariant for
+// every n <= 64.
 //
 // A reader R provides:
 //   Params (LinParams plus n_cb, the blocks of rows, halves, and its own fields),
-//   max_chunks(K) (host: the most chunks a lane of a 32-lane group takes in a row of K), Chunk (one row's
-//   registers of a step), kName, kSpan, min_blocks(nr) (CTAs per SM the kernel is compiled
-//   for), units(p) (chunks of a row), load(rows, nc, lane, i, ch, type) (step i of the
+//   max_chunks(K) (host: the most chunks a lane of a 32-lane group takes in a row of K),
+//   Chunk (one row's registers of a step), kName, kSpan, min_blocks(nr) (CTAs per SM the
+//   kernel is compiled for), units(p) (chunks of a row), load(rows, nc, lane, i, ch, type) (step i of the
 //   group's rows; chunks >= nc untouched), prep<NR>(p, xoff, smem, ss) (x of the tile into
 //   shared memory; with ss, each row's sum of squares in a fixed order) and
 //   dot<NR>(p, ch, smem, nc, i, lane, acc, type) (the sums of step i). `type` is the block's
@@ -184,14 +185,14 @@ inline bool tile_fits(size_t row_bytes) {
 // Rows of x per CTA for a call of n rows.
 inline int tile_rows(int64_t n) { return n <= 1 ? 1 : n <= 2 ? 2 : kMaxTile; }
 
-// The call's parameters (the LinParams part and n_cb), then the launch with `row_bytes` of
-// shared memory per row of x of the tile; `fill` sets the reader's own fields.
 // SPECD_GPU_HALF_GROUPS=0: never half groups (benchmarks).
 inline bool halves_on() {
   static const bool on = env_value("SPECD_GPU_HALF_GROUPS") != "0";
   return on;
 }
 
+// The call's parameters (the LinParams part, n_cb and halves), then the launch with
+// `row_bytes` of shared memory per row of x of the tile; `fill` sets the reader's own fields.
 template <class R, class F>
 void launch(const LinearArgs& a, size_t row_bytes, gpuStream_t s, F&& fill) {
   SPECD_CHECK(a.n * a.w[0]->n_in < (int64_t)1 << 31, "linear: x has more than 2^31 elements");

@@ -73,11 +73,11 @@ struct Engine::Sequence {
   std::vector<int32_t> hidden_layers;  // [L] target layer ids; empty = capture nothing
   std::vector<float> hidden;           // [n, L, dim] captured by the last target forward
 
-  // Run-ahead (Engine::start_ahead): n_ahead forwards queued when step() returned the
+  // Run-ahead (Engine::start_ahead): kv->ahead_n forwards queued when step() returned the
   // pending token, at positions n_past, n_past + 1, ..., the first taking the pending token,
-  // each later one the argmax of the one before; the first n_settled have been waited for,
-  // their argmax in ahead_top. Used (oldest first) by the next step()s; dropped on a change.
-  int n_ahead = 0, n_settled = 0;
+  // each later one the argmax of the one before; the first kv->ahead_fin have been waited
+  // for (settled), their argmax in ahead_top. Used (oldest first) by the next step()s;
+  // dropped on a change.
   int32_t ahead_top[KvStore::kMaxAhead] = {-1, -1};
   double ahead_seconds[KvStore::kMaxAhead] = {0, 0};  // device time (in decode_seconds when used)
 
@@ -130,15 +130,15 @@ Engine::~Engine() {
 // one is unfinished), so the device never waits for the host between steps.
 void Engine::start_ahead(Sequence& s) {
   if (run_ahead_ == 0 || s.pending < 0 || s.drafter || !device_greedy(s)) return;
-  while (s.n_ahead < run_ahead_ && s.n_past + s.n_ahead + 1 <= n_ctx_) {
-    const int i = s.n_ahead;
-    const int32_t token = i == 0 ? s.pending : s.n_settled < i ? -1 : s.ahead_top[i - 1];
+  KvStore& kv = *s.kv;
+  while (kv.ahead_n < run_ahead_ && s.n_past + kv.ahead_n + 1 <= n_ctx_) {
+    const int i = kv.ahead_n;
+    const int32_t token = i == 0 ? s.pending : kv.ahead_fin < i ? -1 : s.ahead_top[i - 1];
     try {
-      model_->start_argmax(*s.kv, token, s.n_past + i);
+      model_->start_argmax(kv, token, s.n_past + i);  // (counts it in kv.ahead_n)
     } catch (...) {
       return;  // nothing more queued: the next step()s run their forwards themselves (and report errors)
     }
-    s.n_ahead = i + 1;
     inflight_ = &s;
   }
 }
@@ -156,27 +156,24 @@ void Engine::set_run_ahead(int32_t depth) {
 void Engine::settle(bool oldest) {
   Sequence* s = inflight_;
   if (s == nullptr) return;
+  KvStore& kv = *s->kv;
   try {
-    while (s->n_settled < s->n_ahead) {
-      const int i = s->n_settled;
-      s->ahead_top[i] = model_->finish_argmax(*s->kv, &s->ahead_seconds[i]);
-      s->n_settled = i + 1;
+    while (kv.ahead_fin < kv.ahead_n) {
+      const int i = kv.ahead_fin;
+      s->ahead_top[i] = model_->finish_argmax(kv, &s->ahead_seconds[i]);  // (counts it in kv.ahead_fin)
       if (oldest) break;
     }
   } catch (...) {
-    s->n_ahead = s->n_settled;  // the rest is lost: its next step()s forward again
-    s->kv->ahead_n = s->kv->ahead_fin;
+    kv.ahead_n = kv.ahead_fin;  // the rest is lost: its next step()s forward again
   }
-  if (s->n_settled == s->n_ahead) inflight_ = nullptr;
+  if (kv.ahead_fin == kv.ahead_n) inflight_ = nullptr;
 }
 
 // Forgets s's forwards ahead (settled): the K/V rows they wrote from n_past on are past the
 // sequence's length (overwritten by whatever goes there next) and their logits were never
 // made current.
 void Engine::drop_ahead(Sequence& s) {
-  if (s.n_ahead == 0) return;
-  s.n_ahead = s.n_settled = 0;
-  model_->drop_ahead(*s.kv);
+  if (s.kv->ahead_n > 0) model_->drop_ahead(*s.kv);
 }
 
 Engine::Sequence& Engine::get(int32_t seq) {
@@ -413,17 +410,16 @@ void Engine::forward_pending(Sequence& s) {
   if (s.n_past + 1 > n_ctx_) context_exceeded(s.n_past + 1, n_ctx_);
   const int32_t p = s.pending;
   try {
-    if (s.n_ahead > 0) {  // queued when an earlier step() returned p (nothing changed since)
-      if (s.n_settled == 0) settle(true);  // (step() waited for it already)
-      model_->keep_ahead(*s.kv);
+    KvStore& kv = *s.kv;
+    if (kv.ahead_n > 0) {  // queued when an earlier step() returned p (nothing changed since)
+      if (kv.ahead_fin == 0) settle(true);  // (step() normally waited for it already)
       s.stats.decode_seconds += s.ahead_seconds[0];  // (the step's own time is added by step())
       s.top = s.ahead_top[0];
-      for (int i = 0; i + 1 < s.n_ahead; ++i) {
+      for (int i = 0; i + 1 < kv.ahead_n; ++i) {
         s.ahead_top[i] = s.ahead_top[i + 1];
         s.ahead_seconds[i] = s.ahead_seconds[i + 1];
       }
-      s.n_ahead -= 1;
-      s.n_settled -= 1;
+      model_->keep_ahead(kv);  // (takes it out of kv's counts)
       s.logits_on_host = false;
       s.logits_row = 0;
     } else if (device_greedy(s)) {
