@@ -1,0 +1,68 @@
+"""bench/bench_gpu.py's llama.cpp side: llama-bench's JSON is read into the rates the tables
+compare with specd's, each the median of its repetitions (specd's are medians too; llama-bench's
+own avg_ts is their mean, which its slow first repetition of a prompt size drags down)."""
+from __future__ import annotations
+
+import argparse
+import json
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))  # bench_gpu imports its sibling machine.py
+
+import bench_gpu  # noqa: E402
+
+# Rows as llama-bench -o json writes them (the fields bench_gpu reads, and a few others), with
+# the repetitions of the 0.6B F16 run on the H200 (2026-12-01): a slow first repetition each.
+ROWS = [
+    {"n_prompt": 16, "n_gen": 0, "avg_ts": 4782.854987, "samples_ts": [1752.28, 6223.97, 6372.31],
+     "build_commit": "abc123", "build_number": 1, "gpu_info": "NVIDIA H200", "backends": "CUDA"},
+    {"n_prompt": 512, "n_gen": 0, "avg_ts": 54344.94104, "samples_ts": [24919.7, 70460.8, 67654.4],
+     "build_commit": "abc123", "build_number": 1, "gpu_info": "NVIDIA H200", "backends": "CUDA"},
+    {"n_prompt": 0, "n_gen": 64, "avg_ts": 660.871992, "samples_ts": [644.383, 663.091, 675.143],
+     "build_commit": "abc123", "build_number": 1, "gpu_info": "NVIDIA H200", "backends": "CUDA"},
+]
+
+
+def fake_llama_bench(tmp_path: Path, rows: list[dict]) -> str:
+    exe = tmp_path / "llama-bench"
+    exe.write_text(f"#!{sys.executable}\nimport sys\nsys.stdout.write({json.dumps(json.dumps(rows))})\n")
+    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+    return str(exe)
+
+
+def args(**kw) -> argparse.Namespace:
+    return argparse.Namespace(prefill=[512], gen=64, llama_reps=3, **kw)
+
+
+def test_rates_are_medians_of_the_repetitions(tmp_path: Path) -> None:
+    res = bench_gpu.run_llama_bench(fake_llama_bench(tmp_path, ROWS), Path("m.gguf"), args(), timeout=60)
+    assert res["ok"] is True
+    assert res["command"][-8:] == ["-fa", "1", "-ngl", "99", "-r", "3", "-o", "json"]
+    assert res["command"][res["command"].index("-p") + 1] == "16,512"
+    assert res["decode"]["tok_s"] == 663.091 and res["decode"]["n_gen"] == 64
+    assert res["decode"]["mean_tok_s"] == 660.871992
+    assert res["prefill"]["512"]["tok_s"] == 67654.4
+    assert res["prefill"]["16"]["tok_s"] == 6223.97
+    assert res["prefill"]["16"]["samples_tok_s"] == [1752.28, 6223.97, 6372.31]
+    # 16 positions cost 16 / 6223.97 s, one step 1 / 663.091 s
+    assert res["verify_cost_16"] == pytest.approx(16 * 663.091 / 6223.97)
+    assert res["build"] == "abc123 (1)"
+
+
+def test_rows_without_samples_keep_the_mean(tmp_path: Path) -> None:
+    rows = [{k: v for k, v in r.items() if k != "samples_ts"} for r in ROWS]
+    res = bench_gpu.run_llama_bench(fake_llama_bench(tmp_path, rows), Path("m.gguf"), args(), timeout=60)
+    assert res["decode"]["tok_s"] == 660.871992 and res["prefill"]["512"]["tok_s"] == 54344.94104
+
+
+def test_a_failing_llama_bench_is_reported_not_raised(tmp_path: Path) -> None:
+    exe = tmp_path / "llama-bench"
+    exe.write_text(f"#!{sys.executable}\nimport sys\nsys.stderr.write('no CUDA device')\nsys.exit(3)\n")
+    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+    res = bench_gpu.run_llama_bench(str(exe), Path("m.gguf"), args(), timeout=60)
+    assert res["ok"] is False and res["error"] == "exit 3: no CUDA device"
