@@ -44,6 +44,27 @@ from worker.protocol import SamplingParams
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
 
+# Verifies of at least this many positions are cheaper on the tensor-core reader for F16
+# weights (Engine(tensor_cores=True)) than on the CUDA cores; shorter ones are not, and its
+# single step is ~1.9x slower. H200, Qwen3-0.6B shape in F16, one call
+# (bench/results/gpu_nvidia-h200_20261201_tc-f16-units.json), tensor cores against CUDA cores:
+# a step 1312 / 701 us, 5 positions 1828 / 1770, 9 positions 2343 / 2550, 16 2695 / 3373. No
+# other weight type gains from it (BF16 even leaves its direct reader for a staged one).
+TENSOR_CORE_MIN_POSITIONS = 9
+_GGML_F16 = 1  # gguf.GGMLQuantizationType.F16
+
+
+def tensor_cores_pay(model_file, mode: str, draft_k: int) -> bool:
+    """Whether a Generator's engine should read its target's weights on tensor cores: it
+    speculates (mode != "none") with verifies of TENSOR_CORE_MIN_POSITIONS or more (draft_k
+    + 1) and every matrix of its layers is F16. Fixed for the engine's life (decode and verify
+    rows must come from one reader: batch invariance), so a request's own draft_k does not
+    change it."""
+    if mode == "none" or draft_k + 1 < TENSOR_CORE_MIN_POSITIONS:
+        return False
+    mats = [t for t in model_file.tensors if t[0].startswith("blk.") and len(t[2]) == 2]
+    return bool(mats) and all(t[1] == _GGML_F16 for t in mats)
+
 
 @dataclasses.dataclass(frozen=True)
 class Stats:
@@ -145,7 +166,8 @@ class Generator:
 
     draft: None (no speculation), "ngram" (prompt lookup), or a draft model (a path or
     a model name, as for `model`) sharing the target's token table; draft_k: tokens drafted
-    per step (1..32), the default of every generate() call.
+    per step (1..32), the default of every generate() call. On a GPU, draft_k >= 8 with F16
+    weights puts the target on the tensor-core reader (tensor_cores_pay).
     """
 
     draft_mode: str = "none"  # "none" | "ngram" | "draft" (set from `draft` in __init__)
@@ -198,7 +220,7 @@ class Generator:
             self.draft_mode = "dflash" if self.draft_file.config.arch == "dflash" else "draft"
         self.engine = Engine(
             self.model_file, n_ctx=n_ctx, n_threads=n_threads, kv_type=kv_type, draft_model=self.draft_file,
-            device=device, tensor_cores=self.draft_mode != "none",  # verify ~ one step: speculation pays
+            device=device, tensor_cores=tensor_cores_pay(self.model_file, self.draft_mode, draft_k),
         )
         self._stop_ids = frozenset(int(t) for t in self.tokenizer.stop_ids)
 

@@ -285,3 +285,43 @@ def test_closing_the_stream_early_frees_the_sequence(gen):
     it.close()
     # The engine keeps working for the next request.
     assert gen.complete("The capital of France is", max_tokens=3, params=GREEDY).text.startswith(" Paris")
+
+
+# ---- which reader a Generator's engine gets on a GPU (tensor_cores_pay)
+
+
+def test_tensor_cores_only_for_long_verifies_of_f16_layers(tmp_path):
+    from tests.helpers.tiny_gguf import write_tiny_model
+    from worker.generate import TENSOR_CORE_MIN_POSITIONS, tensor_cores_pay
+    from worker.model_file import open_model
+
+    f16 = open_model(write_tiny_model(tmp_path / "f16.gguf", "llama", "F16", embd_type="Q8_0"))
+    k_min = TENSOR_CORE_MIN_POSITIONS - 1
+    assert tensor_cores_pay(f16, "ngram", k_min) and tensor_cores_pay(f16, "draft", 32)
+    assert not tensor_cores_pay(f16, "ngram", k_min - 1)  # the default k = 4: CUDA cores
+    assert not tensor_cores_pay(f16, "ngram", 4)
+    assert not tensor_cores_pay(f16, "none", 32)  # no speculation, no verifies
+    for other in ("BF16", "Q8_0", "Q4_0", "F32"):
+        m = open_model(write_tiny_model(tmp_path / f"{other}.gguf", "llama", other))
+        assert not tensor_cores_pay(m, "ngram", 16), other
+
+
+@pytest.mark.parametrize("draft_k, expected", [(4, False), (8, True)])
+def test_generator_gives_the_engine_the_reader_that_pays(tmp_path, monkeypatch, draft_k, expected):
+    import worker.engine
+    from tests.helpers.tiny_gguf import write_tiny_model
+
+    seen = {}
+    real = worker.engine.Engine
+
+    class Recording(real):
+        def __init__(self, *args, **kw):
+            seen.update(kw)
+            super().__init__(*args, **kw)
+
+    monkeypatch.setattr(worker.engine, "Engine", Recording)
+    path = write_tiny_model(tmp_path / "f16.gguf", "llama", "F16")
+    with Generator(path, draft="ngram", draft_k=draft_k, n_ctx=64) as g:
+        assert seen["tensor_cores"] is expected
+        out = g.complete([5, 6, 7, 5, 6], max_tokens=4)  # (the CPU engine: either way the same tokens)
+        assert len(out.tokens) == 4
