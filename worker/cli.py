@@ -47,12 +47,24 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="context length in tokens (default: min(model's training context, 4096))")
     g.add_argument("--kv-type", choices=("f16", "f32"), default="f16",
                    help="KV cache precision (default: f16; f32 is exact)")
-    g.add_argument("--draft", default=None, metavar="PATH|NAME|ngram",
+    _draft_flags(g)
+
+
+def _draft_flags(g, env: bool = False) -> None:
+    """--draft, --draft-k and --draft-always (env: defaults from $SPECD_DRAFT, $SPECD_DRAFT_K)."""
+    draft = (os.environ.get("SPECD_DRAFT") or None) if env else None
+    k = (os.environ.get("SPECD_DRAFT_K") or "4") if env else "4"  # (argparse converts a str default)
+    where = " ($SPECD_DRAFT)" if env else ""
+    g.add_argument("--draft", default=draft, metavar="PATH|NAME|ngram",
                    help="speculative decoding (lossless): a draft GGUF sharing the target's vocabulary "
-                        "(a smaller model, or a DFlash block drafter), or 'ngram' for prompt lookup "
+                        f"(a smaller model, or a DFlash block drafter), or 'ngram' for prompt lookup{where} "
                         "(default: off)")
-    g.add_argument("--draft-k", type=int, default=4, metavar="K",
-                   help="tokens drafted per step, 1..32 (default: 4; for DFlash at most block_size - 1)")
+    g.add_argument("--draft-k", type=int, default=k, metavar="K",
+                   help="tokens drafted per step, 1..32 (default: "
+                        + ("$SPECD_DRAFT_K or " if env else "") + "4; for DFlash at most block_size - 1)")
+    g.add_argument("--draft-always", action="store_true",
+                   help="speculate on every step (default: only while speculative steps decode faster than "
+                        "plain ones, timed as it generates; the output is the same either way)")
 
 
 def _load(args: argparse.Namespace):
@@ -62,7 +74,8 @@ def _load(args: argparse.Namespace):
 
     check_device(args.device)
     return Generator(args.model, n_ctx=args.ctx_size, n_threads=args.threads, kv_type=args.kv_type,
-                     draft=getattr(args, "draft", None), draft_k=getattr(args, "draft_k", 4), device=args.device)
+                     draft=getattr(args, "draft", None), draft_k=getattr(args, "draft_k", 4), device=args.device,
+                     adaptive=not getattr(args, "draft_always", False))
 
 
 # ---- specd models ----
@@ -308,6 +321,11 @@ def _add_up(sub) -> None:
     p.add_argument("--threads-per-worker", type=_int, default=None,
                    help="CPU threads per worker (default: cores // workers, at least 1)")
     p.add_argument("--ctx-size", "-c", type=_int, default=None, help="context length per worker")
+    p.add_argument("--draft", default=None, metavar="PATH|NAME|ngram",
+                   help="the workers' speculative decoding: a draft GGUF or 'ngram' (default: $SPECD_DRAFT, "
+                        "else off; lossless, and used only while it is faster)")
+    p.add_argument("--draft-k", type=_int, default=None, metavar="K",
+                   help="tokens drafted per step, 1..32 (default: $SPECD_DRAFT_K or 4)")
     p.add_argument("--prefix", default=None,
                    help="Redis key prefix, to share a Redis between stacks (default: $SPECD_REDIS_PREFIX or specd)")
     p.add_argument("--ready-timeout", type=float, default=180.0, metavar="S",
@@ -323,6 +341,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         model=args.model, host=args.host, port=args.port, workers=args.workers,
         redis_url=args.redis_url, threads_per_worker=args.threads_per_worker,
         ctx_size=args.ctx_size, prefix=args.prefix, ready_timeout_s=args.ready_timeout,
+        draft=args.draft, draft_k=args.draft_k,
     )
     return Stack(config, progress=not args.quiet).run()
 
@@ -345,6 +364,7 @@ def _add_worker(sub) -> None:
     p.add_argument("--threads", "-t", type=_positive_int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--ctx-size", "-c", type=_positive_int, default=None,
                    help="context length in tokens (default: min(model's training context, 4096))")
+    _draft_flags(p, env=True)
     p.set_defaults(func=_cmd_worker)
 
 
@@ -360,6 +380,9 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         name=args.name,
         n_ctx=args.ctx_size,
         n_threads=args.threads,
+        draft=args.draft,
+        draft_k=args.draft_k,
+        adaptive=not args.draft_always,
     ) or 0)
 
 

@@ -19,6 +19,10 @@ Speculative decoding (Generator(draft=PATH|name|"ngram", draft_k=K)): the engine
 up to K tokens per step and verifies them in one target forward; output is unchanged
 (greedy: the same tokens; sampling: the same distribution). Stats report drafted /
 accepted draft tokens and the acceptance length tau = mean tokens per speculative step.
+Speculation only pays where a verify of k + 1 positions costs less than tau plain steps, so
+by default (adaptive) a SpeculationGovernor times both kinds of step on each generation and
+keeps the faster: speculative steps while drafts are accepted often enough, plain steps
+otherwise, trying the other kind again now and then.
 
 Timing definitions (engine-side clocks, Python overhead excluded):
   prefill_tok_s = n_prompt / prefill_seconds  (the prompt forward)
@@ -35,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import os
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -115,6 +120,64 @@ NGRAM = "ngram"  # Generator(draft=NGRAM): prompt-lookup drafting, no draft mode
 MAX_DRAFT_K = 32
 
 
+class SpeculationGovernor:
+    """Keeps a sequence's speculation on only while it is the faster way to decode.
+
+    Speculation changes speed, never the output, and it can lose: where verifying k + 1
+    positions costs several plain steps (2.5-3.5 for k = 4 on the H200's int8 readers) or the
+    drafts are rejected (text the n-gram table has not seen, a poor draft model), a plain step
+    returns tokens faster. The governor times the engine's step() calls (wall clock: what a
+    client waits on; work the device overlaps with the host is free, as it is to the client)
+    and keeps, per mode, the tokens per second of the last `window` steps of its latest run,
+    leaving out the run's first step (it pays the switch: the draft catching up, forwards
+    queued ahead dropped).
+    It speculates for `warm` steps, steps plainly for `probe`, then keeps the faster mode,
+    trying the other again for `probe` steps after every `period` steps (how well drafts fare
+    moves with the text); it changes only when the other mode is more than `margin` faster.
+    speculate() says what the next step should do; observe() takes what a step did."""
+
+    def __init__(self, *, warm: int = 8, probe: int = 4, period: int = 32, window: int = 8,
+                 margin: float = 0.05):
+        self.warm, self.probe, self.period, self.window, self.margin = warm, probe, period, window, margin
+        self._rates: dict[bool, list[tuple[int, float]]] = {True: [], False: []}
+        self._best = True    # the mode kept between probes
+        self._mode = True    # the mode of the current run of steps
+        self._left = warm    # steps left in this run
+        self._probing = False  # this run tries the mode that is not kept
+        self._fresh = True   # the run's first step is still to come
+
+    def speculate(self) -> bool:
+        return self._mode
+
+    def rate(self, speculating: bool) -> float | None:
+        """Tokens per second of the mode's recent steps (None before any)."""
+        obs = self._rates[speculating]
+        secs = sum(s for _, s in obs)
+        return sum(n for n, _ in obs) / secs if obs and secs > 0 else None
+
+    def observe(self, speculating: bool, tokens: int, seconds: float) -> None:
+        if speculating != self._mode:
+            raise ValueError("observe() of a step in the mode speculate() did not ask for")
+        if self._fresh:  # a new run of this mode: its rate is this run's from now on
+            self._fresh = False
+            self._rates[speculating].clear()
+        else:
+            obs = self._rates[speculating]
+            obs.append((tokens, seconds))
+            del obs[:-self.window]
+        self._left -= 1
+        if self._left > 0:
+            return
+        if self._probing:  # both modes timed lately: keep the faster
+            kept, other = self.rate(self._best), self.rate(not self._best)
+            if kept is not None and other is not None and other > kept * (1 + self.margin):
+                self._best = not self._best
+            self._mode, self._left, self._probing = self._best, self.period, False
+        else:  # try the other mode
+            self._mode, self._left, self._probing = not self._best, self.probe, True
+        self._fresh = True
+
+
 class StopMatcher:
     """Cuts streamed text before the first stop string, holding back a possible prefix.
 
@@ -167,11 +230,14 @@ class Generator:
     draft: None (no speculation), "ngram" (prompt lookup), or a draft model (a path or
     a model name, as for `model`) sharing the target's token table; draft_k: tokens drafted
     per step (1..32), the default of every generate() call. On a GPU, draft_k >= 8 with F16
-    weights puts the target on the tensor-core reader (tensor_cores_pay).
+    weights puts the target on the tensor-core reader (tensor_cores_pay). adaptive: a
+    SpeculationGovernor per generation keeps speculating only while it decodes faster than
+    plain steps (the output is the same either way); False speculates on every step.
     """
 
     draft_mode: str = "none"  # "none" | "ngram" | "draft" (set from `draft` in __init__)
     draft_k: int = 4
+    adaptive: bool = True
 
     def __init__(
         self,
@@ -183,6 +249,7 @@ class Generator:
         draft: str | os.PathLike | None = None,
         draft_k: int = 4,
         device: str = "cpu",
+        adaptive: bool = True,
     ):
         from worker.models import resolve_model
 
@@ -208,6 +275,7 @@ class Generator:
         except SpecdError as exc:  # a model without a template still does raw completion
             self._template_error = exc
         self.draft_k = draft_k
+        self.adaptive = adaptive
         self.draft_mode = "none"
         self.draft_path: Path | None = None
         self.draft_file = None
@@ -323,10 +391,18 @@ class Generator:
             if mode != "none":
                 seq.set_speculation(mode, draft_k)
             seq.prefill(ids)
+            gov = SpeculationGovernor() if mode != "none" and self.adaptive else None
+            speculating = mode != "none"
             n_gen = 0
             finish: str | None = None
             while finish is None:
+                if gov is not None and gov.speculate() != speculating:
+                    speculating = gov.speculate()
+                    seq.set_speculation(mode if speculating else "none", draft_k)
+                t0 = time.perf_counter()
                 step = [int(t) for t in seq.step()]
+                if gov is not None:
+                    gov.observe(speculating, len(step), time.perf_counter() - t0)
                 if not step:
                     raise SpecdError("engine step returned no tokens")
                 accepted: list[int] = []

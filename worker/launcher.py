@@ -87,6 +87,8 @@ class UpConfig:
     threads_per_worker: int | None = None  # None: default_threads(workers)
     ctx_size: int | None = None          # None: the worker's default
     prefix: str | None = None            # Redis key prefix; None: the components' default
+    draft: str | None = None             # the workers' --draft (None: theirs, $SPECD_DRAFT)
+    draft_k: int | None = None           # the workers' --draft-k (None: theirs, $SPECD_DRAFT_K or 4)
     ready_timeout_s: float = 180.0       # from the first child's start to /ready
     grace_s: float = 10.0                # SIGTERM -> SIGKILL, per phase
 
@@ -121,6 +123,8 @@ class UpConfig:
             need_int("--threads-per-worker", self.threads_per_worker, 1)
         if self.ctx_size is not None:
             need_int("--ctx-size", self.ctx_size, 1)
+        if self.draft_k is not None:
+            need_int("--draft-k", self.draft_k, 1, 32)
         if not self.model:
             raise StackError("--model must be a known model name (demo) or a path to a .gguf file")
         if self.ready_timeout_s <= 0 or self.grace_s < 0:
@@ -362,6 +366,10 @@ class Stack:
                     "--redis-url", self.redis_url, "--threads", str(threads), *prefix]
             if cfg.ctx_size:
                 argv += ["--ctx-size", str(cfg.ctx_size)]
+            if cfg.draft:
+                argv += ["--draft", cfg.draft]
+            if cfg.draft_k is not None:
+                argv += ["--draft-k", str(cfg.draft_k)]
             self.workers.append(Child(f"worker-{i}", argv, env=child_env, echo=self.log))
         self.gateway = Child("gateway", [*cli, "gateway", "--host", cfg.host, "--port", str(cfg.port),
                                          "--redis-url", self.redis_url, *prefix],

@@ -225,6 +225,9 @@ def run_worker(
     n_threads: int | None = None,
     heartbeat_s: float = 1.0,
     ttl_s: float = 5.0,
+    draft: str | None = None,
+    draft_k: int = 4,
+    adaptive: bool = True,
 ) -> int:
     """Serves `model` from Redis until SIGTERM/SIGINT; returns the process exit code.
 
@@ -233,7 +236,10 @@ def run_worker(
     with the gateway (SPECD_REDIS_PREFIX); name: served model name (default: the known
     name, else the file stem); n_ctx / n_threads: engine options (None = engine default);
     heartbeat_s / ttl_s: heartbeat period and key TTL (the gateway declares a worker
-    dead ttl_s after its last beat).
+    dead ttl_s after its last beat); draft / draft_k / adaptive: speculative decoding for
+    every request, as Generator takes them (a draft model path or name, or "ngram"; None:
+    off): the output is the same, only faster (adaptive: speculative steps only while they
+    beat plain ones).
 
     Returns 0 after a requested stop, 1 if the serving loop ended on its own (e.g. Redis
     timed out). Bad configuration raises SpecdError (the CLI prints it, exit 2) before
@@ -254,7 +260,8 @@ def run_worker(
     from worker.generate import Generator
 
     t0 = time.perf_counter()
-    generator = Generator(model, n_ctx=n_ctx, n_threads=n_threads, device=device)
+    generator = Generator(model, n_ctx=n_ctx, n_threads=n_threads, device=device, draft=draft, draft_k=draft_k,
+                          adaptive=adaptive)
     host, pid = socket.gethostname(), os.getpid()
     worker_id = f"{host}-{pid}-{uuid.uuid4().hex[:8]}"
     state = jobs.Resident(generator=generator, redis=redis, keys=keys, worker_id=worker_id, model=served)
@@ -306,10 +313,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", "-t", type=int, default=None)
     p.add_argument("--heartbeat-s", type=float, default=1.0)
     p.add_argument("--ttl-s", type=float, default=5.0)
+    p.add_argument("--draft", default=None)
+    p.add_argument("--draft-k", type=int, default=4)
+    p.add_argument("--draft-always", action="store_true")
     a = p.parse_args(argv)
     try:
         return run_worker(a.model, device=a.device, redis_url=a.redis_url, prefix=a.prefix, name=a.name,
-                          n_ctx=a.ctx_size, n_threads=a.threads, heartbeat_s=a.heartbeat_s, ttl_s=a.ttl_s)
+                          n_ctx=a.ctx_size, n_threads=a.threads, heartbeat_s=a.heartbeat_s, ttl_s=a.ttl_s,
+                          draft=a.draft, draft_k=a.draft_k, adaptive=not a.draft_always)
     except SpecdError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

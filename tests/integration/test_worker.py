@@ -49,7 +49,7 @@ WAIT_S = 60.0                                 # upper bound on any wait (a hang 
 class Worker:
     """One `python -m worker.service` process and the Redis names it serves."""
 
-    def __init__(self, url: str, prefix: str, log_path: Path):
+    def __init__(self, url: str, prefix: str, log_path: Path, extra: tuple[str, ...] = ()):
         import redis
 
         self.url, self.prefix, self.keys = url, prefix, Keys(prefix)
@@ -60,7 +60,7 @@ class Worker:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "worker.service", "--model", "demo", "--redis-url", url,
              "--prefix", prefix, "--ctx-size", str(N_CTX), "--heartbeat-s", str(HEARTBEAT_S),
-             "--ttl-s", str(TTL_S)],
+             "--ttl-s", str(TTL_S), *extra],
             cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )
         try:
@@ -415,6 +415,23 @@ def test_kill_9_heartbeat_expires_and_the_job_is_failed_as_abandoned(redis_url, 
                        (decode_event(f[EVENT_FIELD]) for _, f in victim.redis.xrange(victim.keys.events(rid))))
     finally:
         victim.stop()
+        delete_prefix(redis_url, prefix)
+
+
+def test_a_speculating_worker_streams_the_plain_greedy_tokens(worker, redis_url, tmp_path):
+    from helpers.redis_server import delete_prefix, unique_prefix
+
+    plain = worker.events(worker.submit(prompt=COUNTING, max_tokens=48, sampling=GREEDY))
+    prefix = unique_prefix("draft")
+    w = Worker(redis_url, prefix, tmp_path / "draft.log", extra=("--draft", "ngram", "--draft-k", "4"))
+    try:
+        spec = w.events(w.submit(prompt=COUNTING, max_tokens=48, sampling=GREEDY))
+        assert_well_formed(spec, w.worker_id)
+        assert ids_of(spec) == ids_of(plain) and text_of(spec) == text_of(plain)
+        # prompt lookup drafts the counting: some steps returned several tokens
+        assert any(len(e.ids) > 1 for _, e in spec if isinstance(e, Token)), kinds(spec)
+    finally:
+        w.stop()
         delete_prefix(redis_url, prefix)
 
 

@@ -325,3 +325,37 @@ def test_generator_gives_the_engine_the_reader_that_pays(tmp_path, monkeypatch, 
         assert seen["tensor_cores"] is expected
         out = g.complete([5, 6, 7, 5, 6], max_tokens=4)  # (the CPU engine: either way the same tokens)
         assert len(out.tokens) == 4
+
+
+# ---- adaptive speculation (SpeculationGovernor in the generation loop)
+
+
+def test_adaptive_speculation_switches_modes_and_keeps_plain_greedy_output(gen, demo_model_path, monkeypatch):
+    import worker.engine
+    import worker.generate
+    from worker.generate import SpeculationGovernor
+
+    # a governor that changes mode every two steps, whatever the timings
+    monkeypatch.setattr(worker.generate, "SpeculationGovernor",
+                        lambda: SpeculationGovernor(warm=2, probe=2, period=2))
+    calls = []
+    real = worker.engine.Sequence.set_speculation
+
+    def recording(self, mode="ngram", k=4, **kw):
+        calls.append((mode, k))
+        return real(self, mode, k, **kw)
+
+    monkeypatch.setattr(worker.engine.Sequence, "set_speculation", recording)
+    prompt = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef add(a, b):\n"
+    plain = gen.complete(prompt, max_tokens=64, params=GREEDY)
+    with Generator(str(demo_model_path), draft="ngram", draft_k=4) as spec:
+        got = spec.complete(prompt, max_tokens=64, params=GREEDY)
+        n_fixed = len(calls)
+        spec.adaptive = False  # speculate on every step
+        every_step = spec.complete(prompt, max_tokens=64, params=GREEDY)
+    assert got.tokens == plain.tokens and got.text == plain.text
+    assert every_step.tokens == plain.tokens
+    assert calls[0] == ("ngram", 4) and ("none", 4) in calls[:n_fixed]  # it stepped plainly too
+    assert sum(c == ("ngram", 4) for c in calls[:n_fixed]) >= 2       # and came back
+    assert calls[n_fixed:] == [("ngram", 4)]                           # adaptive off: set once
+    assert got.drafted > 0 and every_step.drafted > got.drafted

@@ -67,6 +67,8 @@ def test_threads_flag_wins_over_the_default():
     ({"workers": -2}, "--workers must be an integer >= 1, got -2"),
     ({"threads_per_worker": 0}, "--threads-per-worker must be an integer >= 1, got 0"),
     ({"ctx_size": 0}, "--ctx-size must be an integer >= 1, got 0"),
+    ({"draft_k": 0}, "--draft-k must be an integer between 1 and 32, got 0"),
+    ({"draft_k": 33}, "--draft-k must be an integer between 1 and 32, got 33"),
     ({"model": ""}, "--model must be a known model name (demo) or a path to a .gguf file"),
 ])
 def test_bad_settings_fail_with_what_to_change(kwargs, message):
@@ -341,3 +343,22 @@ def test_supervise_stops_on_a_signal_or_an_unexpected_exit(tmp_path):
     text = log.read()
     assert text.startswith(f"error: worker-1 (pid {a.pid}) killed by SIGKILL unexpectedly; stopping everything. "
                            f"Its last output:\n    up\n"), text
+
+
+def test_worker_draft_flags_default_to_the_environment(monkeypatch):
+    from worker.cli import build_parser
+
+    monkeypatch.delenv("SPECD_DRAFT", raising=False)
+    monkeypatch.delenv("SPECD_DRAFT_K", raising=False)
+    a = build_parser().parse_args(["worker"])
+    assert (a.draft, a.draft_k, a.draft_always) == (None, 4, False)
+    monkeypatch.setenv("SPECD_DRAFT", "ngram")
+    monkeypatch.setenv("SPECD_DRAFT_K", "6")
+    a = build_parser().parse_args(["worker"])
+    assert (a.draft, a.draft_k, a.draft_always) == ("ngram", 6, False)
+    a = build_parser().parse_args(["worker", "--draft", "/d.gguf", "--draft-k", "2", "--draft-always"])
+    assert (a.draft, a.draft_k, a.draft_always) == ("/d.gguf", 2, True)
+    a = build_parser().parse_args(["generate", "--prompt", "x"])  # generate: flags only
+    assert (a.draft, a.draft_k, a.draft_always) == (None, 4, False)
+    a = build_parser().parse_args(["up", "--draft", "ngram", "--draft-k", "3"])
+    assert (a.draft, a.draft_k) == ("ngram", 3)
