@@ -132,13 +132,17 @@ class SpeculationGovernor:
     leaving out the run's first step (it pays the switch: the draft catching up, forwards
     queued ahead dropped).
     It speculates for `warm` steps, steps plainly for `probe`, then keeps the faster mode,
-    trying the other again for `probe` steps after every `period` steps (how well drafts fare
-    moves with the text); it changes only when the other mode is more than `margin` faster.
+    trying the other again for `probe` steps after `period` steps, then after twice as many
+    each time the kept mode stays the faster (up to `max_period`; back to `period` after a
+    change: how well drafts fare moves with the text); it changes only when the other mode is
+    more than `margin` faster.
     speculate() says what the next step should do; observe() takes what a step did."""
 
-    def __init__(self, *, warm: int = 8, probe: int = 4, period: int = 32, window: int = 8,
-                 margin: float = 0.05):
+    def __init__(self, *, warm: int = 8, probe: int = 4, period: int = 32, max_period: int = 256,
+                 window: int = 8, margin: float = 0.05):
         self.warm, self.probe, self.period, self.window, self.margin = warm, probe, period, window, margin
+        self.max_period = max(max_period, period)
+        self._period = period  # the next run of the kept mode (doubles while probes confirm it)
         self._rates: dict[bool, list[tuple[int, float]]] = {True: [], False: []}
         self._best = True    # the mode kept between probes
         self._mode = True    # the mode of the current run of steps
@@ -171,8 +175,9 @@ class SpeculationGovernor:
         if self._probing:  # both modes timed lately: keep the faster
             kept, other = self.rate(self._best), self.rate(not self._best)
             if kept is not None and other is not None and other > kept * (1 + self.margin):
-                self._best = not self._best
-            self._mode, self._left, self._probing = self._best, self.period, False
+                self._best, self._period = not self._best, self.period
+            self._mode, self._left, self._probing = self._best, self._period, False
+            self._period = min(2 * self._period, self.max_period)  # (a kept mode is probed less often)
         else:  # try the other mode
             self._mode, self._left, self._probing = not self._best, self.probe, True
         self._fresh = True

@@ -337,7 +337,7 @@ def test_adaptive_speculation_switches_modes_and_keeps_plain_greedy_output(gen, 
 
     # a governor that changes mode every two steps, whatever the timings
     monkeypatch.setattr(worker.generate, "SpeculationGovernor",
-                        lambda: SpeculationGovernor(warm=2, probe=2, period=2))
+                        lambda: SpeculationGovernor(warm=2, probe=2, period=2, max_period=2))
     calls = []
     real = worker.engine.Sequence.set_speculation
 
