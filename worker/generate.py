@@ -237,7 +237,9 @@ class Generator:
     per step (1..32), the default of every generate() call. On a GPU, draft_k >= 8 with F16
     weights puts the target on the tensor-core reader (tensor_cores_pay). adaptive: a
     SpeculationGovernor per generation keeps speculating only while it decodes faster than
-    plain steps (the output is the same either way); False speculates on every step.
+    plain steps (the output is the same either way: greedy the same tokens, sampling the same
+    distribution; a sampling request with its own seed speculates on every step, so that it
+    stays reproducible); False speculates on every step.
     """
 
     draft_mode: str = "none"  # "none" | "ngram" | "draft" (set from `draft` in __init__)
@@ -383,10 +385,14 @@ class Generator:
             )
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
         native_params = params.to_native(seed)
-        return self._run(ids, max_tokens, native_params, matcher, seed, mode, k)
+        # The governor's choices follow the clock, and a speculative step draws other random
+        # numbers than a plain one: a request that samples with its own seed, which must come
+        # out the same every time, speculates on every step instead.
+        adaptive = self.adaptive and (params.temperature == 0 or params.seed is None)
+        return self._run(ids, max_tokens, native_params, matcher, seed, mode, k, adaptive)
 
     def _run(self, ids: list[int], max_tokens: int, native_params: dict, matcher: StopMatcher,
-             seed: int, mode: str = "none", draft_k: int = 0) -> Iterator[Delta]:
+             seed: int, mode: str = "none", draft_k: int = 0, adaptive: bool = False) -> Iterator[Delta]:
         from worker.detokenizer import IncrementalDetokenizer
 
         detok = IncrementalDetokenizer(self.tokenizer, skip_special=True)
@@ -396,7 +402,7 @@ class Generator:
             if mode != "none":
                 seq.set_speculation(mode, draft_k)
             seq.prefill(ids)
-            gov = SpeculationGovernor() if mode != "none" and self.adaptive else None
+            gov = SpeculationGovernor() if mode != "none" and adaptive else None
             speculating = mode != "none"
             n_gen = 0
             finish: str | None = None

@@ -359,3 +359,28 @@ def test_adaptive_speculation_switches_modes_and_keeps_plain_greedy_output(gen, 
     assert sum(c == ("ngram", 4) for c in calls[:n_fixed]) >= 2       # and came back
     assert calls[n_fixed:] == [("ngram", 4)]                           # adaptive off: set once
     assert got.drafted > 0 and every_step.drafted > got.drafted
+
+
+def test_seeded_sampling_speculates_on_every_step_and_repeats_itself(demo_model_path, monkeypatch):
+    import worker.generate
+    from worker.generate import SpeculationGovernor
+
+    made = []
+
+    def governor():
+        made.append(1)
+        return SpeculationGovernor(warm=2, probe=2, period=2, max_period=2)
+
+    monkeypatch.setattr(worker.generate, "SpeculationGovernor", governor)
+    prompt = "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n"
+    seeded = SamplingParams(temperature=1.0, seed=11)
+    with Generator(str(demo_model_path), draft="ngram", draft_k=4) as g:
+        a = g.complete(prompt, max_tokens=32, params=seeded)
+        b = g.complete(prompt, max_tokens=32, params=seeded)
+        assert made == []  # a seed of its own: no governor
+        g.adaptive = False
+        c = g.complete(prompt, max_tokens=32, params=seeded)
+        g.adaptive = True
+        g.complete(prompt, max_tokens=8, params=SamplingParams(temperature=1.0))  # no seed: governed
+        assert made == [1]
+    assert a.tokens == b.tokens == c.tokens and a.seed == 11
