@@ -60,7 +60,7 @@ EngineError = native.EngineError
 KV_TYPES = ("f16", "f32")
 _INT_SAMPLING_KEYS = ("top_k", "seed")
 SPEC_MODES = ("none", "draft", "ngram")  # built in; the native engine may register more
-MAX_DRAFT = 32  # largest k per speculative step (engine.h kMaxDraft)
+MAX_DRAFT = int(native.max_draft)  # largest k per speculative step (engine.h kMaxDraft)
 
 
 _GPU_DEVICE = re.compile(r"(cuda|hip):\d+")
@@ -107,7 +107,7 @@ def check_same_vocabulary(target: ModelFile, draft: ModelFile) -> None:
     )
 
 
-MAX_RUN_AHEAD = 2  # KvStore::kMaxAhead
+MAX_RUN_AHEAD = int(native.max_run_ahead)  # KvStore::kMaxAhead
 
 
 def _run_ahead_depth(value: bool | int) -> int:

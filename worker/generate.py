@@ -117,7 +117,7 @@ class Result:
 
 
 NGRAM = "ngram"  # Generator(draft=NGRAM): prompt-lookup drafting, no draft model
-MAX_DRAFT_K = 32
+MAX_DRAFT_K = 32  # = worker.engine.MAX_DRAFT (engine.h kMaxDraft; this module imports no native code)
 
 
 class SpeculationGovernor:

@@ -366,3 +366,11 @@ def test_run_ahead_depth_is_checked(model, bad) -> None:
         assert eng.run_ahead == 0  # the CPU default: off
         with pytest.raises(InvalidRequestError, match="run_ahead must be"):
             eng.run_ahead = bad
+
+
+def test_python_limits_are_the_native_ones() -> None:
+    import worker.engine
+    import worker.generate
+
+    assert worker.engine.MAX_DRAFT == 32 and worker.engine.MAX_RUN_AHEAD == 2  # from the module
+    assert worker.generate.MAX_DRAFT_K == worker.engine.MAX_DRAFT  # (restated: no native import there)

@@ -220,6 +220,8 @@ PYBIND11_MODULE(_specd, m) {
   py::object base = py::module_::import("worker.errors").attr("SpecdError");
   py::register_exception<Error>(m, "EngineError", base);
   m.attr("backend") = SPECD_BACKEND_NAME;
+  m.attr("max_draft") = kMaxDraft;               // largest k of set_speculation
+  m.attr("max_run_ahead") = KvStore::kMaxAhead;  // forwards a greedy step may queue ahead
   m.def("simd_path", &simd_path);
   m.def("set_num_threads", &set_num_threads, py::arg("n"));
   m.def("num_threads", &num_threads);
