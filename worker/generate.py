@@ -402,7 +402,9 @@ class Generator:
             if mode != "none":
                 seq.set_speculation(mode, draft_k)
             seq.prefill(ids)
-            gov = SpeculationGovernor() if mode != "none" and adaptive else None
+            # (a DFlash drafter is not governed: it proposes nothing after plain steps, whose
+            # hidden states it was not given; engine.cpp set_speculation)
+            gov = SpeculationGovernor() if mode in (NGRAM, "draft") and adaptive else None
             speculating = mode != "none"
             n_gen = 0
             finish: str | None = None

@@ -384,3 +384,25 @@ def test_seeded_sampling_speculates_on_every_step_and_repeats_itself(demo_model_
         g.complete(prompt, max_tokens=8, params=SamplingParams(temperature=1.0))  # no seed: governed
         assert made == [1]
     assert a.tokens == b.tokens == c.tokens and a.seed == 11
+
+
+def test_draft_model_speculation_paused_and_resumed_keeps_plain_greedy_output(tmp_path, monkeypatch):
+    import worker.generate
+    from tests.helpers.tiny_gguf import write_tiny_model
+    from worker.generate import SpeculationGovernor
+
+    target = write_tiny_model(tmp_path / "target.gguf", "llama", "F32", seed=3)
+    draft = write_tiny_model(tmp_path / "draft.gguf", "llama", "Q8_0", seed=3)  # the target, re-quantized
+    prompt = [7, 8, 9, 10, 7, 8, 9, 10, 7, 8]
+    with Generator(target, n_ctx=128) as plain_gen:
+        plain = plain_gen.complete(prompt, max_tokens=48, params=GREEDY)
+    # speculation off and on every two steps: the kept draft model catches up each time
+    monkeypatch.setattr(worker.generate, "SpeculationGovernor",
+                        lambda: SpeculationGovernor(warm=2, probe=2, period=2, max_period=2))
+    with Generator(target, n_ctx=128, draft=draft, draft_k=3) as g:
+        switched = g.complete(prompt, max_tokens=48, params=GREEDY)
+        again = g.complete(prompt, max_tokens=48, params=GREEDY)  # a new sequence, same engine
+        g.adaptive = False
+        always = g.complete(prompt, max_tokens=48, params=GREEDY)
+    assert switched.tokens == plain.tokens == again.tokens == always.tokens
+    assert switched.accepted > 0 and always.drafted > switched.drafted > 0

@@ -62,6 +62,10 @@ struct Engine::Sequence {
   // speculation on never shifts the target's uniforms of an unrelated draw.
   std::unique_ptr<Drafter> drafter;
   SpecParams spec;
+  // The drafter of the last switch to "none", kept for a switch back to the same settings
+  // (Engine::set_speculation): a draft model then catches up only what was decoded plainly.
+  std::unique_ptr<Drafter> paused;
+  SpecParams paused_spec;
   Rng draft_rng{kDraftStream};
   std::vector<int32_t> drafts;       // [<= k] proposals of the current step
   std::vector<float> q;              // [n, n_vocab] their distributions, or empty (one-hot)
@@ -356,7 +360,23 @@ void Engine::set_speculation(int32_t seq, const SpecParams& p) {
   drop_ahead(s);
   const DrafterEnv env{model_.get(), n_ctx_, opt_.kv_f16};
   std::unique_ptr<Drafter> d;
+  // Speculation turned off and on again within a generation (SpeculationGovernor in
+  // worker/generate.py) keeps its drafter: a draft model's KV cache then still holds the
+  // context, and its catch-up (draft_model.cpp: the common prefix kept) forwards only the
+  // tokens decoded plainly in between, not the whole context again. The n-gram drafter has
+  // no state. A drafter that reads the hidden states of every committed position (DFlash)
+  // is not kept: it was not told of the positions decoded plainly, and proposes nothing
+  // after such a gap either way.
+  const bool resume = s.paused && p.mode == s.paused_spec.mode && p.ngram_min == s.paused_spec.ngram_min &&
+                      p.ngram_max == s.paused_spec.ngram_max;
   if (p.mode == "none") {
+    s.paused.reset();
+    if (s.drafter && s.drafter->hidden_layers().empty()) {
+      s.paused = std::move(s.drafter);
+      s.paused_spec = s.spec;
+    }
+  } else if (resume) {
+    d = std::move(s.paused);
   } else if (p.mode == "draft") {
     if (!draft_model_)
       throw Error("speculation mode 'draft' needs a draft model, and this engine was built without one; "
@@ -374,6 +394,7 @@ void Engine::set_speculation(int32_t seq, const SpecParams& p) {
     d = it->second(env);
     SPECD_CHECK(d != nullptr, "drafter factory '" + p.mode + "' returned nothing");
   }
+  if (p.mode != "none" && !resume) s.paused.reset();  // (other settings: the kept one is not wanted)
   std::vector<int32_t> layers;
   if (d) layers = d->hidden_layers();
   for (int32_t l : layers)
