@@ -138,7 +138,7 @@ class SpeculationGovernor:
     more than `margin` faster.
     speculate() says what the next step should do; observe() takes what a step did."""
 
-    def __init__(self, *, warm: int = 8, probe: int = 4, period: int = 32, max_period: int = 256,
+    def __init__(self, *, warm: int = 4, probe: int = 3, period: int = 32, max_period: int = 256,
                  window: int = 8, margin: float = 0.05):
         self.warm, self.probe, self.period, self.window, self.margin = warm, probe, period, window, margin
         self.max_period = max(max_period, period)
