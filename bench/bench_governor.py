@@ -42,7 +42,7 @@ def run(gen, ids: list[int], n: int, k: int) -> dict:
 
     r = gen.complete(ids, max_tokens=n, params=SamplingParams(temperature=0.0), draft_k=k)
     return {"tok_s": r.decode_tok_s, "tokens": r.tokens, "tau": r.acceptance_length, "drafted": r.drafted,
-            "accepted": r.accepted, "n_generated": r.n_generated}
+            "accepted": r.accepted}
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:

@@ -111,7 +111,7 @@ MAX_RUN_AHEAD = int(native.max_run_ahead)  # KvStore::kMaxAhead
 
 
 def _run_ahead_depth(value: bool | int) -> int:
-    """run_ahead as the engine's depth: False / True are 0 / 1, else an integer 0..2."""
+    """run_ahead as the engine's depth: False / True are 0 / 1, else an integer 0..MAX_RUN_AHEAD."""
     if isinstance(value, bool):
         return int(value)
     if not isinstance(value, int) or not 0 <= value <= MAX_RUN_AHEAD:

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TextIO
 
 from worker.errors import SpecdError
+from worker.generate import MAX_DRAFT_K
 from worker.redis_local import LocalRedis, check_url, die_with_parent, env_url, start_local
 
 
@@ -124,7 +125,7 @@ class UpConfig:
         if self.ctx_size is not None:
             need_int("--ctx-size", self.ctx_size, 1)
         if self.draft_k is not None:
-            need_int("--draft-k", self.draft_k, 1, 32)
+            need_int("--draft-k", self.draft_k, 1, MAX_DRAFT_K)
         if not self.model:
             raise StackError("--model must be a known model name (demo) or a path to a .gguf file")
         if self.ready_timeout_s <= 0 or self.grace_s < 0:

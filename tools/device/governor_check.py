@@ -8,7 +8,10 @@ Each Generator call is run twice, the second timed (wall clock of complete(), N 
 "identical" compares the tokens with plain greedy decoding's; the last line switches modes
 every two steps (a governor forced to), which must leave them identical too.
 """
-import sys, time
+import os
+import sys
+import time
+
 import worker.generate as G
 from worker.generate import Generator
 from worker.protocol import SamplingParams
@@ -17,7 +20,6 @@ path = sys.argv[1]
 greedy = SamplingParams(temperature=0.0)
 prompt = [100 + (i % 24) for i in range(64)]  # a repeating prompt: something for prompt lookup
 N = 256
-import os
 DEV = os.environ.get("DEV", "cuda:0")
 
 

@@ -369,8 +369,8 @@ void Engine::set_speculation(int32_t seq, const SpecParams& p) {
   // after such a gap either way.
   const bool resume = s.paused && p.mode == s.paused_spec.mode && p.ngram_min == s.paused_spec.ngram_min &&
                       p.ngram_max == s.paused_spec.ngram_max;
+  if (!resume) s.paused.reset();  // (other settings: the kept drafter is not wanted)
   if (p.mode == "none") {
-    s.paused.reset();
     if (s.drafter && s.drafter->hidden_layers().empty()) {
       s.paused = std::move(s.drafter);
       s.paused_spec = s.spec;
@@ -394,7 +394,6 @@ void Engine::set_speculation(int32_t seq, const SpecParams& p) {
     d = it->second(env);
     SPECD_CHECK(d != nullptr, "drafter factory '" + p.mode + "' returned nothing");
   }
-  if (p.mode != "none" && !resume) s.paused.reset();  // (other settings: the kept one is not wanted)
   std::vector<int32_t> layers;
   if (d) layers = d->hidden_layers();
   for (int32_t l : layers)
