@@ -15,6 +15,10 @@ ops.dequantize (== gguf.quants.dequantize, tests/native/test_quants.py) decodes 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES
@@ -376,6 +380,60 @@ def test_direct_store_accumulate_swiglu(case: str, rng: np.random.Generator) -> 
     xs = x / np.sqrt(n_in)
     np.testing.assert_array_equal(gpu(gate_up, [None, None], xs, **kw)[4:].view(np.uint32),
                                   rows_alone(gate_up, [None, None], xs[4:], **kw).view(np.uint32))
+
+
+# Q6_K-only and Q8_0-only calls on NVIDIA sm_80+ copy each step's weight bytes to shared
+# memory first (KqStaged: coalesced 16-byte copies, where every step of a row is whole 16-byte
+# pieces; SPECD_GPU_STAGE names the types, default "q6,q8"); the same words reach the same
+# sums, so SPECD_GPU_STAGE="" (loads straight into registers) must give the same bits. Q6_K:
+# K = 12288 (6 steps), 4096, 2048, and 3072 / 1024 (steps of 4 blocks, 840 bytes: not staged);
+# Q8_0: 3072 (a last step of 16 chunks), 1024 (half groups), 576 (612-byte rows: not staged).
+STAGED_CASES = [(T.Q6_K, 12288, (40, 300)), (T.Q6_K, 4096, (77, 9)), (T.Q6_K, 2048, (5001, 40)),
+                (T.Q6_K, 3072, (300, 33)), (T.Q6_K, 1024, (33, 700)), (T.Q8_0, 3072, (300, 9)),
+                (T.Q8_0, 1024, (7001, 70)), (T.Q8_0, 576, (300, 9))]
+
+
+def test_staged_digit_readers_give_the_same_bits(rng: np.random.Generator, tmp_path) -> None:
+    calls = []
+    for qtype, n_in, (m0, m1) in STAGED_CASES:
+        w0, w1 = (random_weight(rng, qtype, m, n_in) for m in (m0, m1))
+        x = rng.standard_normal((4, n_in), dtype=np.float32)
+        norm_w = rng.uniform(0.5, 1.5, n_in).astype(np.float32)
+        y0 = rng.standard_normal((4, m1), dtype=np.float32)
+        for n in (1, 2, 4):
+            calls.append(dict(ws=[(qtype, w0, m0, n_in), (qtype, w1, m1, n_in)], x=x[:n]))
+            calls.append(dict(ws=[(qtype, w1, m1, n_in)], x=x[:n], epilogue=1, y=y0[:n]))
+            calls.append(dict(ws=[(qtype, w1, m1, n_in)] * 2, x=x[:n] / np.sqrt(n_in),
+                              norm_w=norm_w, eps=1e-6, epilogue=2))
+    staged = []
+    for i, c in enumerate(calls):
+        np.savez(tmp_path / f"call{i}.npz", x=c["x"], w=np.concatenate([w for _, w, _, _ in c["ws"]]),
+                 shapes=np.array([(int(t), m, k, len(w)) for t, w, m, k in c["ws"]]), epilogue=c.get("epilogue", 0),
+                 y=c.get("y", np.zeros(0, np.float32)), norm_w=c.get("norm_w", np.zeros(0, np.float32)),
+                 eps=c.get("eps", 0.0))
+        staged.append(gpu(c["ws"], [None] * len(c["ws"]), c["x"], norm_w=c.get("norm_w"), eps=c.get("eps", 0.0),
+                          epilogue=c.get("epilogue", 0), y=None if c.get("y") is None else c["y"].copy()))
+    script = (
+        "import sys, numpy as np\n"
+        "from worker.engine import native\n"
+        "for i in range(%d):\n"
+        "    z = np.load(sys.argv[1] + f'/call{i}.npz')\n"
+        "    ws, at = [], 0\n"
+        "    for t, m, k, nb in z['shapes']:\n"
+        "        ws.append((int(t), z['w'][at:at + nb], int(k), int(m)))\n"
+        "        at += nb\n"
+        "    ep = int(z['epilogue'])\n"
+        "    y = native.gpu_ops.linear(weights=ws, biases=[None] * len(ws), x=z['x'],\n"
+        "                              norm_w=z['norm_w'] if z['norm_w'].size else None, eps=float(z['eps']),\n"
+        "                              epilogue=ep, y=z['y'].copy() if ep == 1 else None, tensor_cores=False)\n"
+        "    np.save(sys.argv[1] + f'/out{i}.npy', y)\n" % len(calls)
+    )
+    env = dict(os.environ, SPECD_GPU_STAGE="")
+    subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env, check=True)
+    for i, (c, y) in enumerate(zip(calls, staged)):
+        ref = np.load(tmp_path / f"out{i}.npy")
+        what = f"call {i}: {c['ws'][0][0].name} K={c['ws'][0][3]} n={len(c['x'])} epilogue={c.get('epilogue', 0)}"
+        np.testing.assert_array_equal(y.view(np.uint32), ref.view(np.uint32), what)
 
 
 # ---- the digit reader on tensor cores (matvec_kq_mma.cu): 5..64 rows of x of the calls above

@@ -51,6 +51,16 @@ inline void gpu_launch(const char* name, void (*kernel)(P...), dim3 grid, dim3 b
 
 // ---- device helpers
 
+// Orders a group's shared-memory traffic (copies landed, buffers free): __syncwarp, or on HIP
+// a CTA barrier, so every thread of the CTA must reach it the same number of times.
+__device__ __forceinline__ void group_sync() {
+#if SPECD_HIP
+  __syncthreads();
+#else
+  __syncwarp();
+#endif
+}
+
 template <class T>
 __device__ __forceinline__ T group_sum(T v) {  // sum over the 32 lanes of a group
 #pragma unroll

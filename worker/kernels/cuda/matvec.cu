@@ -157,15 +157,6 @@ __device__ __forceinline__ void stage_copy(const GroupRow& g, int st, bool last,
   }
 }
 
-// Orders the group's shared-memory traffic (copies landed, buffers free) between stages.
-__device__ __forceinline__ void group_sync() {
-#if SPECD_HIP
-  __syncthreads();  // (every group runs the same number of stages)
-#else
-  __syncwarp();
-#endif
-}
-
 __device__ __forceinline__ void load8(const float* p, int gap, float (&v)[8]) {
   const float4 a = ldg4(p), b = ldg4(p + gap);
   v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;

@@ -32,6 +32,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <mutex>
+#include <type_traits>
 
 #include "cuda/linear.cuh"
 #include "cuda/linear_params.cuh"
@@ -53,6 +54,24 @@ __device__ __forceinline__ float half_sum(float v) {
 #pragma unroll
   for (int m = kGroup / 4; m > 0; m >>= 1) v += gpu_shfl_xor(v, m);
   return v;
+}
+
+// Staged readers (R::kStaged): the weights go to shared memory first (R::issue: each group
+// copies its rows' bytes of a step there with coalesced cp.async, R::kSlots - 1 steps in
+// flight per group ahead of the one being summed), and a lane takes its chunk from there
+// (R::take): for layouts whose per-lane loads would touch many lines each (Q6_K blocks of 210
+// bytes), or to keep more bytes in flight than registers hold. They also provide commit(),
+// wait_groups<n>(), region_bytes(halves) (a row's step), stage_bytes(halves) (the CTA's
+// staging area) and the Params field stage_off (where it starts in dynamic shared memory).
+// The sums are the same: only the loads differ.
+template <class R, class = void>
+struct IsStaged : std::false_type {};
+template <class R>
+struct IsStaged<R, std::void_t<decltype(R::kStaged)>> : std::bool_constant<R::kStaged> {};
+template <class R>
+__host__ __device__ constexpr int stage_slots() {
+  if constexpr (IsStaged<R>::value) return R::kSlots;
+  else return 1;
 }
 
 template <class R, int NR>
@@ -80,9 +99,7 @@ __global__ void __launch_bounds__(kThreads, R::min_blocks(NR)) direct_kernel(con
     group_rows<kRpg>(p, l_cb, warp, warps, j0, o, lsrc);
     ltype = p.w[j0].type;
   }
-  auto fetch = [&](typename R::Chunk (&dst)[kRpg]) {
-    if (l_cb >= n_cb) return;
-    R::load(lsrc, nc, lane, l_i, dst, ltype);
+  auto advance = [&] {  // the stream's next step
     if (++l_i == ni) {
       l_i = 0;
       l_cb += step;
@@ -94,8 +111,34 @@ __global__ void __launch_bounds__(kThreads, R::min_blocks(NR)) direct_kernel(con
       }
     }
   };
+  auto fetch = [&](typename R::Chunk (&dst)[kRpg]) {
+    if (l_cb >= n_cb) return;
+    R::load(lsrc, nc, lane, l_i, dst, ltype);
+    advance();
+  };
+  // staged: the group's ring of kSlots slots (kRpg row regions each); issue() copies the
+  // stream's next step into slot l_seq % kSlots and commits it (an empty group past the end)
+  constexpr bool kStaged = IsStaged<R>::value;
+  constexpr int kSlots = stage_slots<R>();
+  uint8_t* stage = nullptr;
+  int l_seq = 0, c_seq = 0;  // steps issued, steps taken
+  auto issue = [&] {
+    if constexpr (kStaged) {
+      if (l_cb < n_cb) {
+        R::issue(p, lsrc, nc, lane, kGroup >> hv, l_i, stage + (l_seq % kSlots) * kRpg * R::region_bytes(hv));
+        advance();
+      }
+      R::commit();
+      ++l_seq;
+    }
+  };
   typename R::Chunk cur[kRpg], nxt[kRpg];
-  fetch(cur);
+  if constexpr (kStaged) {
+    stage = smem + p.stage_off + (size_t)warp * kSlots * kRpg * R::region_bytes(hv);
+    for (int k = 0; k + 1 < kSlots; ++k) issue();
+  } else {
+    fetch(cur);
+  }
 
   gpu_grid_wait();
   gpu_grid_launch_dependents();
@@ -133,10 +176,22 @@ __global__ void __launch_bounds__(kThreads, R::min_blocks(NR)) direct_kernel(con
 #pragma unroll
       for (int r = 0; r < NR; ++r) acc[rr][r] = 0.f;
     for (int i = 0; i < ni; ++i) {
-      fetch(nxt);
+      if constexpr (kStaged) {
+        // the step kSlots - 1 ahead into the slot taken last, then this step's copies: landed
+        // (this lane's: all but the latest kSlots - 1 groups), visible to the group, taken
+        issue();
+        R::template wait_groups<kSlots - 1>();
+        group_sync();
+        R::take(p, stage + (c_seq++ % kSlots) * kRpg * R::region_bytes(hv), nc, lane, i, cur);
+        group_sync();  // every lane has its chunk before the slot is refilled
+      } else {
+        fetch(nxt);
+      }
       R::template dot<NR>(p, cur, smem, nc, i, lane, acc, type);
+      if constexpr (!kStaged) {
 #pragma unroll
-      for (int rr = 0; rr < kRpg; ++rr) cur[rr] = nxt[rr];
+        for (int rr = 0; rr < kRpg; ++rr) cur[rr] = nxt[rr];
+      }
     }
     int j0;
     int64_t o_first;
@@ -193,6 +248,13 @@ inline bool halves_on() {
 
 // The call's parameters (the LinParams part, n_cb and halves), then the launch with
 // `row_bytes` of shared memory per row of x of the tile; `fill` sets the reader's own fields.
+// The staging area of reader R per CTA (0 when it loads straight into registers).
+template <class R>
+size_t stage_bytes(int halves) {
+  if constexpr (IsStaged<R>::value) return R::stage_bytes(halves);
+  else return 0;
+}
+
 template <class R, class F>
 void launch(const LinearArgs& a, size_t row_bytes, gpuStream_t s, F&& fill) {
   SPECD_CHECK(a.n * a.w[0]->n_in < (int64_t)1 << 31, "linear: x has more than 2^31 elements");
@@ -203,7 +265,11 @@ void launch(const LinearArgs& a, size_t row_bytes, gpuStream_t s, F&& fill) {
   p.n_cb = (int32_t)blocks;
   fill(p);
   const int nr = tile_rows(a.n);
-  const size_t smem = (size_t)nr * row_bytes;
+  size_t smem = (size_t)nr * row_bytes;
+  if constexpr (IsStaged<R>::value) {
+    p.stage_off = (int32_t)smem;  // (row_bytes: a multiple of 16)
+    smem += stage_bytes<R>(p.halves);
+  }
   switch (nr) {
     case 1: launch_tile<R, 1>(p, smem, s); break;
     case 2: launch_tile<R, 2>(p, smem, s); break;

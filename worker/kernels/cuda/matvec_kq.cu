@@ -12,7 +12,10 @@
 // boundary starts 2b mod 4 bytes past one: its fields (16-byte aligned within the block)
 // are read as 4-byte words and re-aligned with one funnel shift per word; a Q8_0 chunk (two
 // 34-byte blocks, 68 bytes) is 4-byte aligned: 17 words. (Q6_K and Q8_0 rows need only be
-// 4-byte aligned: Qwen3-0.6B's Q6_K rows of 1024 and 3072 are 840 and 2520 bytes.)
+// 4-byte aligned: Qwen3-0.6B's Q6_K rows of 1024 and 3072 are 840 and 2520 bytes.) Those word
+// loads touch a dozen lines each across a group, so on sm_80+ Q6_K-only and Q8_0-only calls
+// whose steps are whole 16-byte pieces first copy each step's bytes to shared memory,
+// coalesced (KqStaged), and read the same words from there.
 //
 // Work (cuda/matvec_direct.cuh: the kernel shared with matvec_f16.cu): lane l takes the
 // chunks c = l + 32 i of its group's rows, i = 0, 1, ... (a chunk = 64 weights; Q4_K: qs
@@ -32,9 +35,14 @@
 // only on its weights and K, not on n, NR, the tile or the other rows: batch invariance as on
 // matvec.cu's paths (every row of such a call comes here, for any n; a Store mixing Q4_K and
 // Q6_K, QKV with a Q6_K V, is one launch whose blocks of rows each have one type).
+#include <algorithm>
+#include <algorithm>
+#include <cstdlib>
+#include <string>
 #include <type_traits>
 
 #include "cuda/digits.cuh"
+#include "cuda/mma.cuh"
 #include "cuda/matvec_direct.cuh"
 #include "cuda/quants.cuh"
 
@@ -54,6 +62,7 @@ struct KqParams : LinParams {
   int32_t plane = 0;  // bytes of one digit plane of a row of x (K rounded up to kSpan)
   int32_t n_cb = 0;   // blocks of rows (direct::kWarps * kRpg weight rows each, twice that with halves)
   int32_t halves = 0; // 1: groups of 16 lanes (matvec_direct.cuh)
+  int32_t stage_off = 0;  // staged readers: where the staging area starts (matvec_direct.cuh)
 };
 
 // Digits of one row of x in shared memory: planes D0, D1, D2 (`plane` bytes each), element
@@ -202,20 +211,33 @@ struct Kq<GgmlType::Q6_K> {
     uint32_t s[3];     // scale bytes 8h .. 8h + 7 (3 aligned words)
     uint32_t d;
   };
-  __device__ static void load(const uint8_t* row, int c, Chunk& ch, GgmlType = GgmlType::Q6_K) {
+  // The chunk's words from block blk (global memory, through the read-only path, or a copy
+  // of the block in shared memory at the same address mod 4: the reads stay within bytes
+  // -2 .. 211 of the block, and past 209 only for an even block, never a step's last).
+  template <bool kGlobal>
+  __device__ static void load_block(const uint8_t* blk, int c, Chunk& ch) {
+    const auto word = [](const uint32_t* a) {
+      if constexpr (kGlobal) return __ldg(a);
+      else return *a;
+    };
     const int h = (c >> 1) & 1, m = c & 1;
-    const uint8_t* blk = row + kBytes * (c >> 2);
     const int off[3] = {64 * h + 16 * m, 64 * h + 32 + 16 * m, 128 + 32 * h + 16 * m};
 #pragma unroll
     for (int f = 0; f < 3; ++f) {
       const uint32_t* a = reinterpret_cast<const uint32_t*>((uintptr_t)(blk + off[f]) & ~(uintptr_t)3);
 #pragma unroll
-      for (int k = 0; k < 5; ++k) ch.w[f][k] = __ldg(a + k);
+      for (int k = 0; k < 5; ++k) ch.w[f][k] = word(a + k);
     }
     const uint32_t* a = reinterpret_cast<const uint32_t*>((uintptr_t)(blk + 192 + 8 * h) & ~(uintptr_t)3);
 #pragma unroll
-    for (int k = 0; k < 3; ++k) ch.s[k] = __ldg(a + k);
-    ch.d = __ldg(reinterpret_cast<const unsigned short*>(blk + 208));
+    for (int k = 0; k < 3; ++k) ch.s[k] = word(a + k);
+    const unsigned short* d = reinterpret_cast<const unsigned short*>(blk + 208);
+    if constexpr (kGlobal) ch.d = __ldg(d);
+    else ch.d = *d;
+  }
+  __host__ __device__ static constexpr int chunk_offset(int j) { return kBytes * (j >> 2); }
+  __device__ static void load(const uint8_t* row, int c, Chunk& ch, GgmlType = GgmlType::Q6_K) {
+    load_block<true>(row + chunk_offset(c), c, ch);
   }
   template <int NR>
   __device__ static void dot(const Chunk (&ch)[kRpg], const uint8_t* dig, int plane, int i, int lane,
@@ -279,10 +301,18 @@ struct Kq<GgmlType::Q8_0> {
   struct Chunk {
     uint32_t w[17];
   };
-  __device__ static void load(const uint8_t* row, int c, Chunk& ch, GgmlType = GgmlType::Q8_0) {
-    const uint32_t* a = reinterpret_cast<const uint32_t*>(row + 2 * kBytes * c);
+  __host__ __device__ static constexpr int chunk_offset(int j) { return 2 * kBytes * j; }
+  template <bool kGlobal>
+  __device__ static void load_block(const uint8_t* at, int, Chunk& ch) {
+    const uint32_t* a = reinterpret_cast<const uint32_t*>(at);
 #pragma unroll
-    for (int k = 0; k < 17; ++k) ch.w[k] = __ldg(a + k);
+    for (int k = 0; k < 17; ++k) {
+      if constexpr (kGlobal) ch.w[k] = __ldg(a + k);
+      else ch.w[k] = a[k];
+    }
+  }
+  __device__ static void load(const uint8_t* row, int c, Chunk& ch, GgmlType = GgmlType::Q8_0) {
+    load_block<true>(row + chunk_offset(c), c, ch);
   }
   template <int NR>
   __device__ static void dot(const Chunk (&ch)[kRpg], const uint8_t* dig, int plane, int i, int lane,
@@ -376,6 +406,7 @@ struct KqMix {
 // The direct kernel's reader (cuda/matvec_direct.cuh) for chunks of type K (Kq<T> or KqMix).
 template <class K>
 struct KqReader {
+  using Kind = K;
   using Params = KqParams;
   using Chunk = typename K::Chunk;
   static constexpr const char* kName = "kq_kernel";
@@ -406,6 +437,94 @@ struct KqReader {
     if (lane + kGroup * i < nc) K::template dot<NR>(ch, smem, p.plane, i, lane, acc, t);
   }
 };
+
+// Copies `bytes` (a multiple of 16) from global src to shared dst with the group's `lanes`
+// lanes, 16 bytes per copy, asynchronously where the device has cp.async (sm_80+).
+__device__ __forceinline__ void copy_to_shared(uint8_t* dst, const uint8_t* src, int bytes, int lane, int lanes) {
+  for (int o = lane * 16; o < bytes; o += lanes * 16) {
+#if SPECD_MMA
+    cp_async16_all(dst + o, src + o);
+#else
+    *reinterpret_cast<uint4*>(dst + o) = __ldg(reinterpret_cast<const uint4*>(src + o));
+#endif
+  }
+}
+
+// The digit reader staged through shared memory (matvec_direct.cuh, IsStaged), for calls of
+// one type whose steps are whole 16-byte pieces (kq_staged). A Q6_K lane's chunk is spread
+// over 19 words of its block, and the 8 blocks of a step lie 210 bytes apart, so each of its
+// loads straight from global memory touches ~12 lines for 128 useful bytes (ncu, Qwen3-8B's
+// ffn_down: the L1 busy 86 % of the time, 7.5x the sectors of the bytes read). Here a group
+// copies a step's bytes of its rows (the chunks' blocks: contiguous) in coalesced 16-byte
+// pieces, kSlots - 1 steps ahead, and each lane reads its chunk from the copy: the same
+// words, so the same sums.
+template <class K, int kSlotsN>
+struct KqStaged : KqReader<K> {
+  using Base = KqReader<K>;
+  using typename Base::Chunk;
+  using typename Base::Params;
+  static constexpr bool kStaged = true;
+  static constexpr int kSlots = kSlotsN;
+  static constexpr const char* kName = "kq_staged_kernel";
+  static constexpr int min_blocks(int) { return 2; }
+  __host__ __device__ static constexpr int region_bytes(int halves) { return K::chunk_offset(kGroup >> halves); }
+  static size_t stage_bytes(int halves) {
+    return (size_t)(direct::kWarps << halves) * kSlots * kRpg * region_bytes(halves);
+  }
+  // Step i of the group's rows into slot (kRpg regions).
+  __device__ static void issue(const Params& p, const uint8_t* const (&rows)[kRpg], int nc, int lane, int lanes,
+                               int i, uint8_t* slot) {
+    const int bytes = K::chunk_offset(min(lanes, nc - lanes * i)), rb = region_bytes(p.halves);
+#pragma unroll
+    for (int rr = 0; rr < kRpg; ++rr)
+      copy_to_shared(slot + rr * rb, rows[rr] + (size_t)K::chunk_offset(lanes) * i, bytes, lane, lanes);
+  }
+  __device__ static void commit() {
+#if SPECD_MMA
+    cp_async_commit();
+#endif
+  }
+  template <int kPending>
+  __device__ static void wait_groups() {
+#if SPECD_MMA
+    cp_async_wait<kPending>();
+#endif
+  }
+  __device__ static void take(const Params& p, const uint8_t* slot, int nc, int lane, int i, Chunk (&ch)[kRpg]) {
+    const int c = lane + kGroup * i;
+    if (c >= nc) return;
+    const int rb = region_bytes(p.halves);
+#pragma unroll
+    for (int rr = 0; rr < kRpg; ++rr)
+      K::template load_block<false>(slot + rr * rb + K::chunk_offset(lane), c, ch[rr]);
+  }
+};
+
+// Whether a call of one type takes the staged reader S (matvec_direct.cuh): on NVIDIA sm_80+
+// (cp.async), for the types named in SPECD_GPU_STAGE (default "q6,q8"; "" none; names
+// separated by ',' or '+'), when every row and every step's bytes of a row are whole 16-byte
+// pieces and the largest tile's digits and the staging area fit the device. The same choice
+// for every n: the sums do not depend on the reader. (Ring slots, H200, fwd1 against loads
+// straight into registers: Q6_K with 2, Qwen3-8B Q4_K_M +4.9 %, 3 slots were slower; Q8_0 with
+// 3, 0.6B +4-5 % and 8B +5.6 %, 3 even where only one CTA then fits an SM: 2 slots there lost.)
+template <class S>
+bool kq_staged(const LinearArgs& a, size_t row_bytes, const char* name) {
+  static const std::string names = [] {
+    std::string v = "," + (std::getenv("SPECD_GPU_STAGE") ? env_value("SPECD_GPU_STAGE") : std::string("q6,q8")) + ",";
+    std::replace(v.begin(), v.end(), '+', ',');
+    return v;
+  }();
+  if (names.find(std::string(",") + name + ",") == std::string::npos || !dev_limits().mma) return false;
+  using K = typename S::Kind;
+  const int64_t nc = a.w[0]->n_in / 64;  // chunks of a row
+  const int halves = direct::halves_on() && S::max_chunks(a.w[0]->n_in) <= kGroup / 2;
+  const int lanes = kGroup >> halves, last = (int)(nc - (nc - 1) / lanes * lanes);
+  if (K::chunk_offset((int)std::min<int64_t>(lanes, nc)) % 16 != 0 || K::chunk_offset(last) % 16 != 0) return false;
+  for (int j = 0; j < a.n_w; ++j)
+    if (a.w[j]->row_stride % 16 != 0) return false;
+  return (size_t)direct::kMaxTile * row_bytes + S::stage_bytes(halves) + direct::kStaticSmem <=
+         dev_limits().smem_per_block;
+}
 
 }  // namespace
 
@@ -439,10 +558,20 @@ bool kq_linear(const LinearArgs& a, gpuStream_t s) {
   // tensor cores (matvec_kq_mma.cu), the same bits
   if (kq_mma_linear(a, s)) return true;
   const auto fill = [plane](KqParams& p) { p.plane = (int32_t)plane; };
-  if (q8) direct::launch<KqReader<Kq<GgmlType::Q8_0>>>(a, row_bytes, s, fill);
-  else if (q4 && q6) direct::launch<KqReader<KqMix>>(a, row_bytes, s, fill);
-  else if (q4) direct::launch<KqReader<Kq<GgmlType::Q4_K>>>(a, row_bytes, s, fill);
-  else direct::launch<KqReader<Kq<GgmlType::Q6_K>>>(a, row_bytes, s, fill);
+  using Q8 = Kq<GgmlType::Q8_0>;
+  using Q6 = Kq<GgmlType::Q6_K>;
+  if (q8) {
+    if (kq_staged<KqStaged<Q8, 3>>(a, row_bytes, "q8")) direct::launch<KqStaged<Q8, 3>>(a, row_bytes, s, fill);
+    else direct::launch<KqReader<Q8>>(a, row_bytes, s, fill);
+  } else if (q4 && q6) {
+    direct::launch<KqReader<KqMix>>(a, row_bytes, s, fill);
+  } else if (q4) {
+    direct::launch<KqReader<Kq<GgmlType::Q4_K>>>(a, row_bytes, s, fill);
+  } else if (kq_staged<KqStaged<Q6, 2>>(a, row_bytes, "q6")) {
+    direct::launch<KqStaged<Q6, 2>>(a, row_bytes, s, fill);
+  } else {
+    direct::launch<KqReader<Q6>>(a, row_bytes, s, fill);
+  }
   return true;
 }
 
