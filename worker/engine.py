@@ -326,6 +326,12 @@ class Sequence:
         except EngineError as exc:
             raise InvalidRequestError(f"bad speculation settings: {exc}") from exc
 
+    def speculation_pausable(self) -> bool:
+        """Whether set_speculation("none") keeps this sequence's drafter for a switch back to
+        the same settings (a draft model or n-gram drafter is set; a drafter that reads the
+        target's hidden states, DFlash, is not kept): the speculation a governor may pause."""
+        return bool(self._native().speculation_pausable(self.id))
+
     def step(self) -> list[int]:
         """Samples the next token(s): 1 without speculation, 1..k+1 with it."""
         return self._native().step(self.id)

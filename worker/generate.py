@@ -402,9 +402,9 @@ class Generator:
             if mode != "none":
                 seq.set_speculation(mode, draft_k)
             seq.prefill(ids)
-            # (a DFlash drafter is not governed: it proposes nothing after plain steps, whose
-            # hidden states it was not given; engine.cpp set_speculation)
-            gov = SpeculationGovernor() if mode in (NGRAM, "draft") and adaptive else None
+            # (only a drafter the engine keeps while paused is governed: not DFlash, which
+            # proposes nothing after plain steps, whose hidden states it was not given)
+            gov = SpeculationGovernor() if adaptive and mode != "none" and seq.speculation_pausable() else None
             speculating = mode != "none"
             n_gen = 0
             finish: str | None = None

@@ -479,6 +479,26 @@ def test_greedy_speculation_is_exact(tmp_path, target, kv_type):
             assert 0 < len(stats["drafted_per_position"]) <= min(k, BLOCK - 1)  # at most B-1 drafts a step
 
 
+def test_dflash_speculation_is_not_pausable(tmp_path, target):
+    """set_speculation("none") keeps a draft-model or n-gram drafter for a switch back, not a
+    DFlash drafter (it was not given the hidden states of plainly decoded positions): the
+    engine says which, and the Generator governs only what it may pause."""
+    mf, _, _, _ = target
+    _, _, dfile = build(tmp_path, "noncausal", 3)
+    eng = native.Engine(mf.config.to_native(), mf.tensors, {"n_ctx": 64})
+    eng.set_dflash(dfile.config.to_native(), dfile.tensors)
+    seq = eng.new_sequence()
+    assert not eng.speculation_pausable(seq)  # no drafter
+    eng.set_speculation(seq, {"mode": "ngram", "k": 4})
+    assert eng.speculation_pausable(seq)
+    eng.set_speculation(seq, {"mode": "dflash", "k": 4})
+    assert not eng.speculation_pausable(seq)
+    eng.set_speculation(seq, {"mode": "none", "k": 4})
+    assert not eng.speculation_pausable(seq)
+    with pytest.raises(EngineError):
+        eng.speculation_pausable(seq + 1)  # no such sequence
+
+
 def test_sampling_speculation_runs(tmp_path, target):
     """Sampling with DFlash drafts: valid tokens, drafts proposed with their q rows."""
     mf, _, _, _ = target

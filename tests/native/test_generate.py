@@ -361,6 +361,18 @@ def test_adaptive_speculation_switches_modes_and_keeps_plain_greedy_output(gen, 
     assert got.drafted > 0 and every_step.drafted > got.drafted
 
 
+def test_sequence_says_whether_its_speculation_can_be_paused(gen):
+    seq = gen.engine.new_sequence()
+    try:
+        assert not seq.speculation_pausable()
+        seq.set_speculation("ngram", 4)
+        assert seq.speculation_pausable()  # the governor may turn it off and on
+        seq.set_speculation("none", 4)
+        assert not seq.speculation_pausable()
+    finally:
+        seq.close()
+
+
 def test_seeded_sampling_speculates_on_every_step_and_repeats_itself(demo_model_path, monkeypatch):
     import worker.generate
     from worker.generate import SpeculationGovernor

@@ -283,6 +283,7 @@ PYBIND11_MODULE(_specd, m) {
       .def_property_readonly("has_draft_model", [](PyEngine& e) { return e.engine->has_draft_model(); })
       .def("set_speculation",
            [](PyEngine& e, int32_t seq, const py::dict& p) { e.engine->set_speculation(seq, spec_from_dict(p)); })
+      .def("speculation_pausable", [](PyEngine& e, int32_t seq) { return e.engine->speculation_pausable(seq); })
 
       .def_property_readonly("n_ctx", [](PyEngine& e) { return e.engine->n_ctx(); })
       .def_property_readonly("device", [](PyEngine& e) { return e.engine->device(); })

@@ -371,7 +371,7 @@ void Engine::set_speculation(int32_t seq, const SpecParams& p) {
                       p.ngram_max == s.paused_spec.ngram_max;
   if (!resume) s.paused.reset();  // (other settings: the kept drafter is not wanted)
   if (p.mode == "none") {
-    if (s.drafter && s.drafter->hidden_layers().empty()) {
+    if (pausable(s)) {
       s.paused = std::move(s.drafter);
       s.paused_spec = s.spec;
     }
@@ -664,6 +664,13 @@ void Engine::truncate(int32_t seq, int64_t n_past) {
   drop_ahead(s);
   s.keep(n_past);
   if (s.drafter) s.drafter->rollback(n_past);
+}
+
+bool Engine::pausable(const Sequence& s) { return s.drafter && s.drafter->hidden_layers().empty(); }
+
+bool Engine::speculation_pausable(int32_t seq) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return pausable(get(seq));
 }
 
 SeqStats Engine::stats(int32_t seq) const {

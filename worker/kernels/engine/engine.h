@@ -113,6 +113,10 @@ class Engine {
   // Turns speculation on ("draft", "ngram", a registered mode) or off ("none") for a
   // sequence; validates (k in 1..kMaxDraft, the mode exists). Takes effect at the next step.
   void set_speculation(int32_t seq, const SpecParams& p);
+  // Whether turning this sequence's speculation off keeps its drafter for a switch back to
+  // the same settings (a drafter is set and reads no target hidden states): what a governor
+  // that pauses speculation may pause (worker/generate.py SpeculationGovernor).
+  bool speculation_pausable(int32_t seq) const;
 
   // Samples the next token(s); see the protocol above. Needs a prefill first.
   std::vector<int32_t> step(int32_t seq);
@@ -132,6 +136,7 @@ class Engine {
   struct Sequence;
   Sequence& get(int32_t seq);
   const Sequence& get(int32_t seq) const;
+  static bool pausable(const Sequence& s);  // speculation_pausable of s
   void forward_chunked(Sequence& s, const int32_t* tokens, int64_t n, float* logits_out,
                        bool all_logits);
   void forward_pending(Sequence& s);
