@@ -62,6 +62,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 BANDWIDTH = 4.27e12  # B/s, H200 device-to-device copy measured here (FACTS.md)
 PROMPT = 64          # prompt tokens before decoding; pos0 of the decode / verify forwards
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # what --variant may set
 
 
 # ---------------------------------------------------------------- model files
@@ -600,8 +601,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for v in args.variant:
         name, _, settings = v.partition(":")
         pairs = [kv.split("=", 1) for kv in settings.split(",") if kv]
-        if not name or not pairs or any(len(kv) != 2 or not kv[0] for kv in pairs):
-            ap.error(f"--variant {v!r}: expected NAME:VAR=VALUE[,VAR=VALUE]")
+        if not name or not pairs or any(len(kv) != 2 or not ENV_NAME.fullmatch(kv[0]) for kv in pairs):
+            ap.error(f"--variant {v!r}: expected NAME:VAR=VALUE[,VAR=VALUE] (VAR an environment variable "
+                     f"name; a VALUE holds no ',')")
+        if name in variants:
+            ap.error(f"--variant {v!r}: the name {name!r} is already taken (a second run would replace the first)")
         variants[name] = dict(pairs)
     args.variants = variants
     if not args.prefill or not args.verify:

@@ -66,3 +66,18 @@ def test_a_failing_llama_bench_is_reported_not_raised(tmp_path: Path) -> None:
     exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
     res = bench_gpu.run_llama_bench(str(exe), Path("m.gguf"), args(), timeout=60)
     assert res["ok"] is False and res["error"] == "exit 3: no CUDA device"
+
+
+def test_variants_parse_and_refuse_ambiguity(capsys):
+    args = bench_gpu.parse_args(["m.gguf", "--variant", "none:SPECD_GPU_STAGE=", "--variant",
+                                 "two:SPECD_GPU_PDL=0,SPECD_GPU_FOLD=0"])
+    assert args.variants == {"none": {"SPECD_GPU_STAGE": ""}, "two": {"SPECD_GPU_PDL": "0", "SPECD_GPU_FOLD": "0"}}
+    # the same name twice would silently replace the first run; a ':' in the name makes the rest
+    # a variable name that no program reads
+    for bad, message in ((["--variant", "a:X=1", "--variant", "a:X=2"], "already taken"),
+                         (["--variant", "pf16:last:SPECD_GPU_L2PF=16"], "environment variable"),
+                         (["--variant", "x:=1"], "expected NAME:VAR=VALUE"),
+                         (["--variant", "x"], "expected NAME:VAR=VALUE")):
+        with pytest.raises(SystemExit):
+            bench_gpu.parse_args(["m.gguf", *bad])
+        assert message in capsys.readouterr().err
