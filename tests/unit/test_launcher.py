@@ -70,11 +70,67 @@ def test_threads_flag_wins_over_the_default():
     ({"draft_k": 0}, "--draft-k must be an integer between 1 and 32, got 0"),
     ({"draft_k": 33}, "--draft-k must be an integer between 1 and 32, got 33"),
     ({"model": ""}, "--model must be a known model name (demo) or a path to a .gguf file"),
+    ({"devices": ("gpu0",)}, "--device 'gpu0' is not one of cpu, cuda:N, hip:N (N = GPU index)"),
+    ({"devices": ()}, "--device needs at least one device: cpu, cuda:N or hip:N"),
+    ({"devices": ("cuda:0", "cpu", "cuda:0")},
+     "--device lists cuda:0 twice; a worker owns its device, so list each once (--workers sets how many "
+     "CPU workers share cpu)"),
+    ({"devices": ("cuda:0", "cuda:1"), "workers": 2},
+     "--workers 2 counts CPU workers, but --device lists no cpu; each GPU device gets one worker (add cpu "
+     "to --device, or drop --workers)"),
 ])
 def test_bad_settings_fail_with_what_to_change(kwargs, message):
     with pytest.raises(StackError) as ei:
         UpConfig(**{"port": closed_port(), **kwargs}).validate()
     assert str(ei.value) == message
+
+
+def test_one_worker_per_gpu_device_and_workers_cpu_workers():
+    assert UpConfig().worker_devices() == ["cpu"]
+    assert UpConfig(workers=3).worker_devices() == ["cpu"] * 3
+    assert UpConfig(devices=("cuda:0", "cuda:1")).worker_devices() == ["cuda:0", "cuda:1"]
+    assert UpConfig(devices=("hip:1", "cpu"), workers=2).worker_devices() == ["hip:1", "cpu", "cpu"]
+    assert UpConfig(devices=("cuda:0", "cpu"), workers=2).threads() == default_threads(2)
+
+
+def test_a_gpu_device_this_install_cannot_use_is_refused_before_anything_starts():
+    from worker.engine import native
+
+    for device, backend in (("cuda:0", "cuda"), ("hip:0", "hip")):
+        if native.backend == backend:
+            continue
+        with pytest.raises(StackError, match=rf"device '{device}': this specd was built without the .* backend "
+                                             rf"\(SPECD_BACKEND={native.backend}\); reinstall it with "
+                                             rf"SPECD_BACKEND={backend} pip install \. or use --device cpu"):
+            UpConfig(port=closed_port(), devices=(device,)).validate()
+
+
+def test_workers_start_on_their_devices(monkeypatch):
+    import io
+
+    import worker.launcher as launcher
+
+    started = []
+
+    class FakeChild:
+        def __init__(self, name, argv, **kw):
+            started.append((name, argv))
+            self.pid = len(started)
+
+    monkeypatch.setattr(launcher, "Child", FakeChild)
+    log = io.StringIO()
+    stack = launcher.Stack(UpConfig(devices=("cuda:1", "cpu"), workers=2, threads_per_worker=3), log=log, env={})
+    monkeypatch.setattr(stack, "prepare", lambda: None)
+    monkeypatch.setattr(stack, "_wait_ready", lambda: None)
+    stack.redis_url = "redis://127.0.0.1:1/0"
+    stack.start()
+    workers = {name: argv for name, argv in started if name.startswith("worker")}
+    assert list(workers) == ["worker-1", "worker-2", "worker-3"]
+    def flag(argv, name):
+        return argv[argv.index(name) + 1] if name in argv else None
+    assert [flag(a, "--device") for a in workers.values()] == ["cuda:1", "cpu", "cpu"]
+    assert [flag(a, "--threads") for a in workers.values()] == [None, "3", "3"]  # GPU workers: their default
+    assert "starting 3 worker(s): cuda:1, 2 x cpu (3 thread(s) each) and the gateway" in log.getvalue()
 
 
 def test_a_port_in_use_is_refused_before_anything_starts():
@@ -158,7 +214,7 @@ def test_up_rejects_a_missing_model_file(capsys, tmp_path, redis_url):
 
 def test_serving_flags_are_usage_errors(capsys):
     for argv in (["worker", "--device", "gpu0"], ["worker", "--threads", "0"], ["up", "--port", "http"],
-                 ["gateway", "--port", "x"], ["up", "--workers", "two"]):
+                 ["gateway", "--port", "x"], ["up", "--workers", "two"], ["up", "--device", "cuda:0,gpu1"]):
         with pytest.raises(SystemExit) as ei:
             main(argv)
         assert ei.value.code == 2, argv
@@ -362,3 +418,5 @@ def test_worker_draft_flags_default_to_the_environment(monkeypatch):
     assert (a.draft, a.draft_k, a.draft_always) == (None, 4, False)
     a = build_parser().parse_args(["up", "--draft", "ngram", "--draft-k", "3"])
     assert (a.draft, a.draft_k) == ("ngram", 3)
+    assert build_parser().parse_args(["up"]).device is None  # (cpu)
+    assert build_parser().parse_args(["up", "--device", "cuda:0, cuda:1"]).device == ("cuda:0", "cuda:1")
