@@ -475,7 +475,8 @@ class Stack:
             client.close()
 
     def describe_workers(self) -> str:
-        """'1 worker(s) x 2 thread(s)' (CPU), 'worker on cuda:0', '2 workers: cuda:0, cuda:1', ..."""
+        """'1 worker(s) x 2 thread(s)' (CPU only), '2 worker(s): cuda:0, cuda:1',
+        '3 worker(s): cuda:0, 2 x cpu (1 thread(s) each)'."""
         cfg = self.config
         devices = cfg.worker_devices()
         if set(devices) == {"cpu"}:

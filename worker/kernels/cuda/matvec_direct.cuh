@@ -247,14 +247,8 @@ inline bool halves_on() {
 }
 
 // The call's parameters (the LinParams part, n_cb and halves), then the launch with
-// `row_bytes` of shared memory per row of x of the tile; `fill` sets the reader's own fields.
-// The staging area of reader R per CTA (0 when it loads straight into registers).
-template <class R>
-size_t stage_bytes(int halves) {
-  if constexpr (IsStaged<R>::value) return R::stage_bytes(halves);
-  else return 0;
-}
-
+// `row_bytes` of shared memory per row of x of the tile (and a staged reader's staging area
+// after them); `fill` sets the reader's own fields.
 template <class R, class F>
 void launch(const LinearArgs& a, size_t row_bytes, gpuStream_t s, F&& fill) {
   SPECD_CHECK(a.n * a.w[0]->n_in < (int64_t)1 << 31, "linear: x has more than 2^31 elements");
@@ -268,7 +262,7 @@ void launch(const LinearArgs& a, size_t row_bytes, gpuStream_t s, F&& fill) {
   size_t smem = (size_t)nr * row_bytes;
   if constexpr (IsStaged<R>::value) {
     p.stage_off = (int32_t)smem;  // (row_bytes: a multiple of 16)
-    smem += stage_bytes<R>(p.halves);
+    smem += R::stage_bytes(p.halves);
   }
   switch (nr) {
     case 1: launch_tile<R, 1>(p, smem, s); break;

@@ -36,7 +36,6 @@
 // matvec.cu's paths (every row of such a call comes here, for any n; a Store mixing Q4_K and
 // Q6_K, QKV with a Q6_K V, is one launch whose blocks of rows each have one type).
 #include <algorithm>
-#include <algorithm>
 #include <cstdlib>
 #include <string>
 #include <type_traits>
@@ -506,7 +505,7 @@ struct KqStaged : KqReader<K> {
 // pieces and the largest tile's digits and the staging area fit the device. The same choice
 // for every n: the sums do not depend on the reader. (Ring slots, H200, fwd1 against loads
 // straight into registers: Q6_K with 2, Qwen3-8B Q4_K_M +4.9 %, 3 slots were slower; Q8_0 with
-// 3, 0.6B +4-5 % and 8B +5.6 %, 3 even where only one CTA then fits an SM: 2 slots there lost.)
+// 3, 0.6B +4-5 % and 8B +5.3 %, 3 even where only one CTA then fits an SM: 2 slots there lost.)
 template <class S>
 bool kq_staged(const LinearArgs& a, size_t row_bytes, const char* name) {
   static const std::string names = [] {
