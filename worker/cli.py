@@ -47,10 +47,10 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="context length in tokens (default: min(model's training context, 4096))")
     g.add_argument("--kv-type", choices=("f16", "f32"), default="f16",
                    help="KV cache precision (default: f16; f32 is exact)")
-    _draft_flags(g)
+    draft_flags(g)
 
 
-def _draft_flags(g, env: bool = False) -> None:
+def draft_flags(g, env: bool = False) -> None:
     """--draft, --draft-k and --draft-always (env: defaults from $SPECD_DRAFT, $SPECD_DRAFT_K)."""
     draft = (os.environ.get("SPECD_DRAFT") or None) if env else None
     k = (os.environ.get("SPECD_DRAFT_K") or "4") if env else "4"  # (argparse converts a str default)
@@ -373,7 +373,7 @@ def _add_worker(sub) -> None:
     p.add_argument("--threads", "-t", type=_positive_int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--ctx-size", "-c", type=_positive_int, default=None,
                    help="context length in tokens (default: min(model's training context, 4096))")
-    _draft_flags(p, env=True)
+    draft_flags(p, env=True)
     p.set_defaults(func=_cmd_worker)
 
 

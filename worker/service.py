@@ -302,6 +302,8 @@ def _setup_logging() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from worker.cli import draft_flags
+
     p = argparse.ArgumentParser(prog="python -m worker.service", description=run_worker.__doc__.split("\n")[0])
     p.add_argument("--model", "-m", default="demo")
     p.add_argument("--device", default="cpu")
@@ -313,9 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", "-t", type=int, default=None)
     p.add_argument("--heartbeat-s", type=float, default=1.0)
     p.add_argument("--ttl-s", type=float, default=5.0)
-    p.add_argument("--draft", default=None)
-    p.add_argument("--draft-k", type=int, default=4)
-    p.add_argument("--draft-always", action="store_true")
+    draft_flags(p, env=True)  # (as `specd worker`: defaults from $SPECD_DRAFT, $SPECD_DRAFT_K)
     a = p.parse_args(argv)
     try:
         return run_worker(a.model, device=a.device, redis_url=a.redis_url, prefix=a.prefix, name=a.name,

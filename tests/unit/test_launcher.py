@@ -418,5 +418,20 @@ def test_worker_draft_flags_default_to_the_environment(monkeypatch):
     assert (a.draft, a.draft_k, a.draft_always) == (None, 4, False)
     a = build_parser().parse_args(["up", "--draft", "ngram", "--draft-k", "3"])
     assert (a.draft, a.draft_k) == ("ngram", 3)
+    # python -m worker.service (the dev harness) takes the same flags and defaults
+    import worker.service
+
+    seen = {}
+
+    def run_worker(*args, **kw):
+        """Records the settings."""
+        seen.update(kw)
+        return 0
+
+    monkeypatch.setattr(worker.service, "run_worker", run_worker)
+    assert worker.service.main([]) == 0
+    assert (seen["draft"], seen["draft_k"], seen["adaptive"]) == ("ngram", 6, True)
+    assert worker.service.main(["--draft-k", "2", "--draft-always"]) == 0
+    assert (seen["draft"], seen["draft_k"], seen["adaptive"]) == ("ngram", 2, False)
     assert build_parser().parse_args(["up"]).device is None  # (cpu)
     assert build_parser().parse_args(["up", "--device", "cuda:0, cuda:1"]).device == ("cuda:0", "cuda:1")
