@@ -1,7 +1,7 @@
 # syntax=docker/dockerfile:1
 # specd NVIDIA worker image: `specd worker --device cuda:0`, one GPU per container.
 # Stage 1 (CUDA 12.8 devel) builds the specd wheel with SPECD_BACKEND=cuda for
-# SPECD_CUDA_ARCHITECTURES (CMake syntax; the default covers Turing sm_75 to Hopper sm_90 as
+# SPECD_CUDA_ARCHITECTURES (CMake syntax; the default covers Turing sm_75 to Hopper sm_90a as
 # SASS, plus Blackwell sm_120 as SASS and PTX, which needs CUDA >= 12.8). CI compiles the
 # cuda backend with the same list (tools/gpu_compile_check.sh reads the ARG line below).
 # Stage 2 runs it on the CUDA base image: cudart is linked statically, so only the host
@@ -12,7 +12,7 @@
 #   docker build -f docker/worker-cuda12.Dockerfile --build-arg SPECD_CUDA_ARCHITECTURES="89-real" ...
 
 FROM nvidia/cuda:12.8.1-devel-ubuntu24.04 AS build
-ARG SPECD_CUDA_ARCHITECTURES="75-real;80-real;86-real;89-real;90-real;120"
+ARG SPECD_CUDA_ARCHITECTURES="75-real;80-real;86-real;89-real;90a-real;120"
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-dev python3-venv g++ \
  && rm -rf /var/lib/apt/lists/*

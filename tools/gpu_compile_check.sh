@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Compile-only check of the GPU backends (CI has no GPU): builds the native module with
-#   - SPECD_BACKEND=cuda for sm_75, sm_90 and sm_120 + PTX (every architecture-dependent
+#   - SPECD_BACKEND=cuda for sm_75, sm_90a and sm_120 + PTX (every architecture-dependent
 #     branch; ALL_ARCHS=1: the list of docker/worker-cuda12.Dockerfile), with the nvcc on PATH
 #     or in /usr/local/cuda;
 #   - SPECD_BACKEND=hip with hipcc (Debian's ROCm 5 packages, HIP_PLATFORM=amd) for a gfx
@@ -31,12 +31,12 @@ if [[ "$what" == cuda || "$what" == all ]]; then
     for d in /usr/local/cuda/bin /usr/local/cuda-*/bin; do [[ -x "$d/nvcc" ]] && export PATH="$d:$PATH" && break; done
   fi
   command -v nvcc >/dev/null || { echo "gpu_compile_check: no nvcc (CUDA toolkit) found"; exit 1; }
-  # Every architecture-dependent branch of the sources (__CUDA_ARCH__ >= 610, 700, 800, 900)
-  # is compiled by sm_75 (dp4a, wmma, no mma.sync) and sm_90 (mma.sync, cp.async, PDL), and
-  # sm_120 + PTX adds the newest toolkit target: a third of the compile time of the image's
-  # full list (matvec.cu alone takes ~2 min per architecture on 2 cores). ALL_ARCHS=1 builds
-  # the list of docker/worker-cuda12.Dockerfile instead.
-  archs="75-real;90-real;120"
+  # Every architecture-dependent branch of the sources (__CUDA_ARCH__ >= 610, 700, 800, 900,
+  # sm_90a's wgmma) is compiled by sm_75 (dp4a, wmma, no mma.sync) and sm_90a (mma.sync,
+  # cp.async, PDL, wgmma), and sm_120 + PTX adds the newest toolkit target: a third of the
+  # compile time of the image's full list (matvec.cu alone takes ~2 min per architecture on 2
+  # cores). ALL_ARCHS=1 builds the list of docker/worker-cuda12.Dockerfile instead.
+  archs="75-real;90a-real;120"
   if [[ "${ALL_ARCHS:-0}" == 1 && -f docker/worker-cuda12.Dockerfile ]]; then
     archs="$(sed -nE 's/^ARG SPECD_CUDA_ARCHITECTURES="([^"]*)".*/\1/p' docker/worker-cuda12.Dockerfile | head -1)"
   fi

@@ -393,26 +393,20 @@ STAGED_CASES = [(T.Q6_K, 12288, (40, 300)), (T.Q6_K, 4096, (77, 9)), (T.Q6_K, 20
                 (T.Q8_0, 1024, (7001, 70)), (T.Q8_0, 576, (300, 9))]
 
 
-def test_staged_digit_readers_give_the_same_bits(rng: np.random.Generator, tmp_path) -> None:
-    calls = []
-    for qtype, n_in, (m0, m1) in STAGED_CASES:
-        w0, w1 = (random_weight(rng, qtype, m, n_in) for m in (m0, m1))
-        x = rng.standard_normal((4, n_in), dtype=np.float32)
-        norm_w = rng.uniform(0.5, 1.5, n_in).astype(np.float32)
-        y0 = rng.standard_normal((4, m1), dtype=np.float32)
-        for n in (1, 2, 4):
-            calls.append(dict(ws=[(qtype, w0, m0, n_in), (qtype, w1, m1, n_in)], x=x[:n]))
-            calls.append(dict(ws=[(qtype, w1, m1, n_in)], x=x[:n], epilogue=1, y=y0[:n]))
-            calls.append(dict(ws=[(qtype, w1, m1, n_in)] * 2, x=x[:n] / np.sqrt(n_in),
-                              norm_w=norm_w, eps=1e-6, epilogue=2))
-    staged = []
+def gpu_call(c: dict) -> np.ndarray:
+    """gpu() of a call as linear_in_subprocess takes it (y copied: Accumulate adds into it)."""
+    return gpu(c["ws"], [None] * len(c["ws"]), c["x"], norm_w=c.get("norm_w"), eps=c.get("eps", 0.0),
+               epilogue=c.get("epilogue", 0), y=None if c.get("y") is None else c["y"].copy())
+
+
+def linear_in_subprocess(calls: list[dict], tmp_path, **env: str) -> list[np.ndarray]:
+    """Each call's gpu() (dict: ws, x and optionally norm_w, eps, epilogue, y) in a fresh process
+    whose environment adds env (the kernel choices are read once per process)."""
     for i, c in enumerate(calls):
         np.savez(tmp_path / f"call{i}.npz", x=c["x"], w=np.concatenate([w for _, w, _, _ in c["ws"]]),
                  shapes=np.array([(int(t), m, k, len(w)) for t, w, m, k in c["ws"]]), epilogue=c.get("epilogue", 0),
                  y=c.get("y", np.zeros(0, np.float32)), norm_w=c.get("norm_w", np.zeros(0, np.float32)),
                  eps=c.get("eps", 0.0))
-        staged.append(gpu(c["ws"], [None] * len(c["ws"]), c["x"], norm_w=c.get("norm_w"), eps=c.get("eps", 0.0),
-                          epilogue=c.get("epilogue", 0), y=None if c.get("y") is None else c["y"].copy()))
     script = (
         "import sys, numpy as np\n"
         "from worker.engine import native\n"
@@ -428,12 +422,83 @@ def test_staged_digit_readers_give_the_same_bits(rng: np.random.Generator, tmp_p
         "                              epilogue=ep, y=z['y'].copy() if ep == 1 else None, tensor_cores=False)\n"
         "    np.save(sys.argv[1] + f'/out{i}.npy', y)\n" % len(calls)
     )
-    env = dict(os.environ, SPECD_GPU_STAGE="")
-    subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env, check=True)
-    for i, (c, y) in enumerate(zip(calls, staged)):
-        ref = np.load(tmp_path / f"out{i}.npy")
+    subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=dict(os.environ, **env), check=True)
+    return [np.load(tmp_path / f"out{i}.npy") for i in range(len(calls))]
+
+
+def test_staged_digit_readers_give_the_same_bits(rng: np.random.Generator, tmp_path) -> None:
+    calls = []
+    for qtype, n_in, (m0, m1) in STAGED_CASES:
+        w0, w1 = (random_weight(rng, qtype, m, n_in) for m in (m0, m1))
+        x = rng.standard_normal((4, n_in), dtype=np.float32)
+        norm_w = rng.uniform(0.5, 1.5, n_in).astype(np.float32)
+        y0 = rng.standard_normal((4, m1), dtype=np.float32)
+        for n in (1, 2, 4):
+            calls.append(dict(ws=[(qtype, w0, m0, n_in), (qtype, w1, m1, n_in)], x=x[:n]))
+            calls.append(dict(ws=[(qtype, w1, m1, n_in)], x=x[:n], epilogue=1, y=y0[:n]))
+            calls.append(dict(ws=[(qtype, w1, m1, n_in)] * 2, x=x[:n] / np.sqrt(n_in),
+                              norm_w=norm_w, eps=1e-6, epilogue=2))
+    staged = [gpu_call(c) for c in calls]
+    refs = linear_in_subprocess(calls, tmp_path, SPECD_GPU_STAGE="")
+    for i, (c, y, ref) in enumerate(zip(calls, staged, refs)):
         what = f"call {i}: {c['ws'][0][0].name} K={c['ws'][0][3]} n={len(c['x'])} epilogue={c.get('epilogue', 0)}"
         np.testing.assert_array_equal(y.view(np.uint32), ref.view(np.uint32), what)
+
+
+# ---- the prefill GEMM on Hopper's warpgroup MMA (matmul.cu wgmma_kernel: builds with sm_90a
+# code, on sm_90 devices; every weight F16, as stored or decoded once per call from 256 rows of
+# x): against float64 within the fp16 bound. Its tiles of 128 and 256 weight rows (forced by
+# SPECD_GPU_WGMMA_BN in a subprocess), its 4- and 5-stage rings and the mma.sync kernel
+# (SPECD_GPU_GEMM=mma) sum every output's 16-element tensor-core products in the same K order,
+# so all of them give the same bits. Partial tiles in every direction: n % 128 != 0, n_out %
+# 128 != 0 (and < 256), K % 64 != 0 (1000: a last step of 40 elements); three weights side by
+# side, SwiGLU, Accumulate, quantized weights decoded first.
+WGMMA_CASES = [  # (epilogue, [(type, n_out)], K, n)
+    (0, [(T.F16, 333)], 1000, 65),
+    (0, [(T.F16, 128), (T.F16, 70), (T.F16, 200)], 512, 300),
+    (0, [(T.F16, 1000)], 4096, 520),
+    (2, [(T.F16, 200), (T.F16, 200)], 4096, 257),
+    (1, [(T.F16, 130)], 2048, 129),
+    (0, [(T.Q4_K, 300)], 4096, 300),
+    (2, [(T.BF16, 64), (T.Q6_K, 64)], 768, 256),
+]
+WGMMA_SETTINGS = {"mma.sync": dict(SPECD_GPU_GEMM="mma"), "256-wide": dict(SPECD_GPU_WGMMA_BN="256"),
+                  "4 stages": dict(SPECD_GPU_WGMMA_BN="128", SPECD_GPU_WGMMA_STAGES="4")}
+
+
+def test_wgmma_gemm_matches_float64_and_the_other_gemms_bit_for_bit(rng: np.random.Generator, tmp_path) -> None:
+    if not G.wgmma():
+        pytest.skip("the device or the build has no sm_90a warpgroup MMA (the mma.sync GEMM is tested above)")
+    calls, wants = [], []
+    for epilogue, specs, n_in, n in WGMMA_CASES:
+        ws = [(t, random_weight(rng, t, m, n_in), m, n_in) for t, m in specs]
+        scale = 1 / np.sqrt(n_in) if epilogue == 2 else 1.0  # moderate gate values
+        x = (rng.standard_normal((n, n_in)) * scale).astype(np.float32)
+        x64, ax = x.astype(np.float64), np.abs(x.astype(np.float64))
+        prods = [(x64 @ dequant(t, w, m, k).T, fp16_bound(ax, np.abs(dequant(t, w, m, k)))) for t, w, m, k in ws]
+        c = dict(ws=ws, x=x, epilogue=epilogue)
+        if epilogue == 0:
+            want = np.concatenate([p for p, _ in prods], axis=1)
+            bound = np.concatenate([b for _, b in prods], axis=1) + 2 * U * np.abs(want)
+        elif epilogue == 1:
+            c["y"] = rng.standard_normal((n, specs[0][1]), dtype=np.float32) * 10
+            want = c["y"] + prods[0][0]
+            bound = prods[0][1] + 2 * U * (np.abs(want) + np.abs(c["y"]))
+        else:
+            (g, bg), (u, bu) = prods
+            want, bound = swiglu64(g, u), swiglu_tol(g, u, bg + 2 * U * np.abs(g), bu + 2 * U * np.abs(u))
+        calls.append(c)
+        wants.append((want, bound))
+    ys = [gpu_call(c) for c in calls]
+    others = {}
+    for i, (name, env) in enumerate(WGMMA_SETTINGS.items()):
+        (tmp_path / str(i)).mkdir()
+        others[name] = linear_in_subprocess(calls, tmp_path / str(i), **env)
+    for i, ((epilogue, specs, n_in, n), y, (want, bound)) in enumerate(zip(WGMMA_CASES, ys, wants)):
+        what = f"epilogue {epilogue} {[(t.name, m) for t, m in specs]} K={n_in} n={n}"
+        check(y, want, bound, what)
+        for name, refs in others.items():
+            np.testing.assert_array_equal(y.view(np.uint32), refs[i].view(np.uint32), f"{name}: {what}")
 
 
 # ---- the digit reader on tensor cores (matvec_kq_mma.cu): 5..64 rows of x of the calls above

@@ -111,6 +111,7 @@ void register_gpu_ops(py::module_& m) {
   py::module_ g = m.def_submodule("gpu_ops", "single GPU ops on host arrays (tests compare them with the CPU)");
   g.def("device_count", &T::device_count);
   g.def("device_name", &T::device_name, py::arg("device") = 0);
+  g.def("wgmma", &T::wgmma, "whether the current device takes the sm_90a prefill GEMM");
   g.def(
       "linear",
       [](const py::list& weights, const py::list& biases, const f32_array& x, py::object norm_w, float eps,

@@ -37,6 +37,7 @@ struct DevLimits {
   int sms = 0;                // multiprocessors
   bool pdl = false;           // programmatic dependent launch: sm_90+ and SPECD_GPU_PDL != "0"
   bool mma = false;           // tensor-core mma.sync with fp16 inputs (NVIDIA sm_80+)
+  bool wgmma = false;         // warpgroup MMA: an sm_90 device and a build with sm_90a code (SPECD_SM90A)
 };
 const DevLimits& dev_limits();
 

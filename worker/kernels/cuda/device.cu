@@ -51,6 +51,9 @@ const DevLimits& dev_limits() {
     L.smem_per_block = std::max<size_t>(p.sharedMemPerBlockOptin, p.sharedMemPerBlock);
     L.pdl = p.major >= 9 && env_value("SPECD_GPU_PDL") != "0";
     L.mma = p.major >= 8;
+#if defined(SPECD_SM90A)
+    L.wgmma = p.major == 9 && p.minor == 0;
+#endif
 #endif
     L.sms = std::max(1, p.multiProcessorCount);
   }
@@ -69,6 +72,8 @@ int device_count() {
 }
 
 std::string device_name(int device) { return select_device(device).name; }
+
+bool wgmma() { return dev_limits().wgmma; }
 
 }  // namespace testing
 }  // namespace gpu

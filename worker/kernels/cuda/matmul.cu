@@ -295,6 +295,135 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const MmParams p, con
 #endif
 }
 
+// ---- wgmma_kernel: NVIDIA sm_90a (see the top of the file)
+
+namespace wg {
+constexpr int BM = 128, BK = 64;  // BK halves: one 128-byte swizzle row
+constexpr int kRowBytes = BK * 2;
+constexpr int kTileA = BM * kRowBytes;  // the x tile; the weight tile is BN rows
+template <int BN>
+constexpr int stage_bytes() { return (BM + BN) * kRowBytes; }
+template <int BN>
+constexpr int ldc() { return BN + 4; }  // floats per row of the output tile
+// + 1 KiB: the ring starts at the first 1024-byte boundary (the swizzle's alignment)
+template <int BN, int S>
+constexpr size_t smem_bytes() { return (size_t)S * stage_bytes<BN>() + 1024; }
+static_assert((size_t)BM * ldc<128>() * sizeof(float) <= 3 * (size_t)stage_bytes<128>(), "output tile fits");
+static_assert((size_t)BM * ldc<256>() * sizeof(float) <= 3 * (size_t)stage_bytes<256>(), "output tile fits");
+}  // namespace wg
+
+// Every weight F16 (as stored or decoded by dequant_kernel); xh: x rounded to fp16. BN weight
+// rows per CTA (SwiGLU: BN / 2 gate rows and the same up rows), S stages.
+template <int BN, int S>
+__global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const MmParams p, const __half* __restrict__ xh) {
+  gpu_grid_wait();  // (programmatic dependent launch: vendor.cuh)
+  gpu_grid_launch_dependents();
+#if SPECD_WGMMA
+  using namespace wg;
+  static_assert(S >= 3, "two stages besides the one being copied");
+  constexpr int kAhead = S - 2;           // stages copied ahead of the one the MMAs read
+  constexpr int kRowStep = kThreads / 8;  // a thread copies piece c of rows r0, r0 + 32, ...
+  constexpr int kItA = BM / kRowStep, kItB = BN / kRowStep;
+  constexpr int kStage = stage_bytes<BN>(), kLdc = ldc<BN>();
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  uint8_t* ring = smem_raw + (1024 - (uint32_t)__cvta_generic_to_shared(smem_raw) % 1024) % 1024;
+  float* Cs = reinterpret_cast<float*>(ring);  // [BM][kLdc] output tile (after the K loop)
+  const int tid = threadIdx.x, group = tid / 128;
+  const int64_t m0 = (int64_t)blockIdx.x * BM, K = p.K;
+  const bool swiglu = p.ep == Epilogue::SwiGLU;
+  int j;
+  int64_t o0;
+  cta_weight(p, BN, j, o0);
+  const int nk = (int)((K + BK - 1) / BK);
+
+  // The thread's copies, fixed for the whole K loop: 16-byte piece c (elements 8c..8c+7 of the
+  // step) of rows r0 + 32 i of both tiles, stored at piece c ^ (r0 % 8) of the row (the
+  // 128-byte swizzle; r0 + 32 i has the same row % 8).
+  const int r0 = tid / 8, c = tid % 8;
+  const uint32_t dst = (uint32_t)r0 * kRowBytes + (uint32_t)((c ^ (r0 % 8)) * 16);
+  const __half* a_src = xh + (m0 + r0) * K + 8 * c;
+  const int64_t a_step = (int64_t)kRowStep * K;
+  uint32_t a_ok = 0, b_ok = 0;
+#pragma unroll
+  for (int i = 0; i < kItA; ++i) a_ok |= (uint32_t)(m0 + r0 + kRowStep * i < p.n) << i;
+  const uint8_t* b_src[kItB];
+#pragma unroll
+  for (int i = 0; i < kItB; ++i) {
+    const int r = r0 + kRowStep * i;
+    const MmWeight& w = swiglu ? p.w[r / (BN / 2)] : p.w[j];
+    const int64_t o = o0 + (swiglu ? r % (BN / 2) : r);
+    const bool ok = o < w.n_out;
+    b_src[i] = ok ? w.data + (size_t)o * w.stride + 16 * c : w.data;
+    b_ok |= (uint32_t)ok << i;
+  }
+  auto copy_stage = [&](int t) {
+    uint8_t* st = ring + (t % S) * kStage + dst;
+    const int64_t k0 = (int64_t)t * BK;
+    const bool k_ok = k0 + 8 * c < K;  // K % 8 == 0: a piece is all inside K or all past it
+#pragma unroll
+    for (int i = 0; i < kItA; ++i) {
+      const bool ok = k_ok && (a_ok >> i & 1);
+      cp_async16(st + i * kRowStep * kRowBytes, ok ? a_src + i * a_step + k0 : xh, ok);
+    }
+#pragma unroll
+    for (int i = 0; i < kItB; ++i) {
+      const bool ok = k_ok && (b_ok >> i & 1);
+      cp_async16(st + kTileA + i * kRowStep * kRowBytes, ok ? b_src[i] + 2 * k0 : b_src[i], ok);
+    }
+  };
+
+  float acc[BN / 2];
+#pragma unroll
+  for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+
+  // Ring: stages 0 .. kAhead-1 in flight before the loop. Step t waits for stage t (and makes
+  // it visible to the async proxy wgmma reads through), starts the copies of stage t + kAhead
+  // into the slot stage t - 2 used (each warpgroup waited for its step t - 2 MMAs at the end
+  // of step t - 1, and the barrier orders that before the copies), then issues its 4 MMAs
+  // and leaves them in flight while it waits for the previous step's. One commit group per
+  // step (empty at the end) keeps the wait count fixed.
+#pragma unroll
+  for (int t = 0; t < kAhead; ++t) {
+    if (t < nk) copy_stage(t);
+    cp_async_commit();
+  }
+  for (int t = 0; t < nk; ++t) {
+    cp_async_wait<kAhead - 1>();
+    fence_proxy_async_shared();
+    __syncthreads();
+    if (t + kAhead < nk) copy_stage(t + kAhead);
+    cp_async_commit();
+
+    const uint8_t* st = ring + (t % S) * kStage;
+    const uint64_t da = wgmma_desc_sw128(st + group * 64 * kRowBytes), db = wgmma_desc_sw128(st + kTileA);
+    wgmma_pin(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) wgmma_m64k16<BN>(acc, da + 2 * kk, db + 2 * kk);
+    wgmma_commit();
+    wgmma_wait<1>();
+    wgmma_pin(acc);
+  }
+  wgmma_wait<0>();
+  wgmma_pin(acc);
+  cp_async_wait<0>();
+  __syncthreads();  // the ring becomes the output tile
+
+  const int lane = tid % 32, r = group * 64 + (tid % 128) / 32 * 16 + lane / 4, c2 = 2 * (lane % 4);
+#pragma unroll
+  for (int i = 0; i < BN / 8; ++i) {
+    *reinterpret_cast<float2*>(Cs + r * kLdc + 8 * i + c2) = make_float2(acc[4 * i], acc[4 * i + 1]);
+    *reinterpret_cast<float2*>(Cs + (r + 8) * kLdc + 8 * i + c2) = make_float2(acc[4 * i + 2], acc[4 * i + 3]);
+  }
+  __syncthreads();
+  store_tile(p, Cs, kLdc, BM, BN, m0, j, o0);
+#else
+  (void)p;
+  (void)xh;
+  __trap();  // chosen only where dev_limits().wgmma: a build without sm_90a code for this device
+#endif
+}
+
 // x (count floats, count % 4 == 0) -> fp16
 __global__ void half_kernel(const float* __restrict__ x, __half* __restrict__ xh, int64_t count) {
   gpu_grid_wait();
@@ -460,6 +589,24 @@ void launch_gemm(const MmParams& p, int64_t ctas, const __half* xh, bool copy_w,
   copy_w ? launch_gemm<BM, true>(p, ctas, xh, s) : launch_gemm<BM, false>(p, ctas, xh, s);
 }
 
+// The sm_90a kernel for F16 weights (as stored or decoded) unless SPECD_GPU_GEMM is "mma" (the
+// mma.sync kernel) or "wmma".
+bool use_wgmma() {
+  static const bool off = env_value("SPECD_GPU_GEMM") == "mma" || env_value("SPECD_GPU_GEMM") == "wmma";
+  return dev_limits().wgmma && !off && dev_limits().smem_per_block >= wg::smem_bytes<128, 4>();
+}
+
+template <int BN, int S>
+void launch_wgmma(const MmParams& p, int64_t ctas, const __half* xh, gpuStream_t s) {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    SPECD_GPU_CHECK(gpuFuncSetAttribute(wgmma_kernel<BN, S>, gpuFuncAttributeMaxDynamicSharedMemorySize,
+                                        (int)wg::smem_bytes<BN, S>()));
+  });
+  const dim3 grid((unsigned)ceil_div(p.n, wg::BM), (unsigned)ctas);
+  gpu_launch("wgmma_kernel", wgmma_kernel<BN, S>, grid, dim3(kThreads), wg::smem_bytes<BN, S>(), s, p, xh);
+}
+
 }  // namespace
 
 size_t kq_mma_work_bytes(int64_t n, int64_t K);  // matvec_kq_mma.cu
@@ -481,22 +628,33 @@ void matmul_large(const LinearArgs& a, gpuStream_t s) {
                 "linear: n = " + std::to_string(a.n) + " rows need a 16-byte aligned workspace of " +
                     std::to_string(need) + " bytes (LinearArgs::work, linear_work_bytes), got " +
                     std::to_string(a.work ? a.work_bytes : 0));
-    const int64_t ctas = fill_params(p, a, pipe::BN);  // SwiGLU: BN / 2 gate rows over the same up rows
-    SPECD_CHECK(ctas <= 65535, "linear: too many output rows for one launch (" + std::to_string(ctas) +
-                                   " tiles of " + std::to_string(pipe::BN) + ")");
-    __half* xh = static_cast<__half*>(a.work);
-    const int64_t count = a.n * K, grid_cap = 8 * (int64_t)dev_limits().sms;
-    gpu_launch("half_kernel", half_kernel, dim3((unsigned)std::min<int64_t>(ceil_div(count / 4, kThreads), grid_cap)),
-               dim3(kThreads), 0, s, a.x, xh, count);
-    bool copy_w = true;
+    bool all_f16 = true;
     int64_t rows = 0;
     for (int j = 0; j < a.n_w; ++j) {
-      copy_w = copy_w && a.w[j]->type == GgmlType::F16;
+      all_f16 = all_f16 && a.w[j]->type == GgmlType::F16;
       rows += a.w[j]->n_out;
     }
     // Large batches of other types: every weight decoded to fp16 once (after x in the
     // workspace), then copied like F16 weights, when the workspace has room for them.
-    if (!copy_w && a.n >= kDequantMinRows && a.work_bytes >= linear_work_bytes(a.n, K, rows)) {
+    const bool dequant = !all_f16 && a.n >= kDequantMinRows && a.work_bytes >= linear_work_bytes(a.n, K, rows);
+    const bool copy_w = all_f16 || dequant;
+    // The sm_90a kernel takes 128 x 256 tiles where they make two waves of CTAs
+    // (SPECD_GPU_WGMMA_BN=128 / 256: always that width), else 128 x 128, like the mma.sync
+    // kernel's (whose BM is 64 or 128).
+    static const std::string bn_env = env_value("SPECD_GPU_WGMMA_BN");
+    const bool wgmma = copy_w && use_wgmma();
+    const bool wide = wgmma && dev_limits().smem_per_block >= wg::smem_bytes<256, 4>() &&
+                      (bn_env == "256" || (bn_env != "128" && ceil_div(a.n, wg::BM) * cta_count(a, 256) >=
+                                                                   2 * (int64_t)dev_limits().sms));
+    const int bn = wide ? 256 : pipe::BN;
+    const int64_t ctas = fill_params(p, a, bn);  // SwiGLU: bn / 2 gate rows over the same up rows
+    SPECD_CHECK(ctas <= 65535, "linear: too many output rows for one launch (" + std::to_string(ctas) +
+                                   " tiles of " + std::to_string(bn) + ")");
+    __half* xh = static_cast<__half*>(a.work);
+    const int64_t count = a.n * K, grid_cap = 8 * (int64_t)dev_limits().sms;
+    gpu_launch("half_kernel", half_kernel, dim3((unsigned)std::min<int64_t>(ceil_div(count / 4, kThreads), grid_cap)),
+               dim3(kThreads), 0, s, a.x, xh, count);
+    if (dequant) {
       __half* wh = xh + count;
       for (int j = 0; j < a.n_w; ++j) {
         MmWeight& w = p.w[j];
@@ -508,7 +666,14 @@ void matmul_large(const LinearArgs& a, gpuStream_t s) {
         w.type = GgmlType::F16;
         wh += w.n_out * K;
       }
-      copy_w = true;
+    }
+    if (wgmma) {
+      // SPECD_GPU_WGMMA_STAGES=4: a 4-stage ring for 128-wide tiles too (default 5; 4 for 256)
+      static const bool four = env_value("SPECD_GPU_WGMMA_STAGES") == "4";
+      if (wide) launch_wgmma<256, 4>(p, ctas, xh, s);
+      else if (four || dev_limits().smem_per_block < wg::smem_bytes<128, 5>()) launch_wgmma<128, 4>(p, ctas, xh, s);
+      else launch_wgmma<128, 5>(p, ctas, xh, s);
+      return;
     }
     // 128-row tiles where they fill every SM twice (SPECD_GPU_GEMM=bm128: always) and fit,
     // else 64

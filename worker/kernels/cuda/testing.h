@@ -16,6 +16,7 @@ namespace testing {
 
 int device_count();                      // 0 when no usable device (or no driver)
 std::string device_name(int device);
+bool wgmma();  // the current device takes the sm_90a prefill GEMM (dev_limits().wgmma)
 
 // cuda/linear.cuh with host arrays. ws: 1..3 host weights; biases: same length as ws, each
 // null or [n_out_j]; x [n, K]; norm_w null or [K]; y [n, ldy] (read too for Accumulate);
