@@ -308,6 +308,7 @@ constexpr int ldc() { return BN + 4; }  // floats per row of the output tile
 // + 1 KiB: the ring starts at the first 1024-byte boundary (the swizzle's alignment)
 template <int BN, int S>
 constexpr size_t smem_bytes() { return (size_t)S * stage_bytes<BN>() + 1024; }
+static_assert(kTileA % 1024 == 0, "the weight tile starts on a swizzle boundary, like the x tile");
 static_assert((size_t)BM * ldc<128>() * sizeof(float) <= 3 * (size_t)stage_bytes<128>(), "output tile fits");
 static_assert((size_t)BM * ldc<256>() * sizeof(float) <= 3 * (size_t)stage_bytes<256>(), "output tile fits");
 }  // namespace wg
@@ -420,7 +421,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const MmParams p, co
 #else
   (void)p;
   (void)xh;
-  __trap();  // chosen only where dev_limits().wgmma: a build without sm_90a code for this device
+  gpu_trap();  // chosen only where dev_limits().wgmma: a build without sm_90a code for this device
 #endif
 }
 
@@ -598,13 +599,13 @@ bool use_wgmma() {
 
 template <int BN, int S>
 void launch_wgmma(const MmParams& p, int64_t ctas, const __half* xh, gpuStream_t s) {
+  constexpr size_t smem = wg::smem_bytes<BN, S>();
   static std::once_flag once;
   std::call_once(once, [] {
-    SPECD_GPU_CHECK(gpuFuncSetAttribute(wgmma_kernel<BN, S>, gpuFuncAttributeMaxDynamicSharedMemorySize,
-                                        (int)wg::smem_bytes<BN, S>()));
+    SPECD_GPU_CHECK(gpuFuncSetAttribute((wgmma_kernel<BN, S>), gpuFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   });
   const dim3 grid((unsigned)ceil_div(p.n, wg::BM), (unsigned)ctas);
-  gpu_launch("wgmma_kernel", wgmma_kernel<BN, S>, grid, dim3(kThreads), wg::smem_bytes<BN, S>(), s, p, xh);
+  gpu_launch("wgmma_kernel", wgmma_kernel<BN, S>, grid, dim3(kThreads), smem, s, p, xh);
 }
 
 }  // namespace

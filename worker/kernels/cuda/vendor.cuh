@@ -64,6 +64,7 @@ using gpuDeviceProp = hipDeviceProp_t;
   hipOccupancyMaxActiveBlocksPerMultiprocessor(n, (const void*)(f), threads, smem)
 using gpu_bf16 = hip_bfloat16;
 #define SPECD_GPU_NAME "hip"
+#define gpu_trap() __builtin_trap()  // device code: abort the kernel (the launch reports an error)
 #else
 #define SPECD_HIP 0
 #include <cuda_runtime.h>
@@ -118,6 +119,7 @@ using gpuDeviceProp = cudaDeviceProp;
 #define gpuOccupancyMaxActiveBlocksPerMultiprocessor cudaOccupancyMaxActiveBlocksPerMultiprocessor
 using gpu_bf16 = __nv_bfloat16;
 #define SPECD_GPU_NAME "cuda"
+#define gpu_trap() __trap()
 #endif
 
 // Tensor-core matrix fragments (nvcuda::wmma) exist on NVIDIA sm_70+ only; the HIP build
