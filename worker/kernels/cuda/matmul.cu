@@ -1,7 +1,7 @@
 // specd/cuda/matmul.cu: linear() for n > kMaxSmallBatch rows of x (prefill): a GEMM on
-// tensor cores, fp16 x fp16 -> fp32, two kernels.
+// tensor cores, fp16 x fp16 -> fp32, three kernels.
 //
-// Maths (both): C[m, o] = sum_k half(x[m, k]) * half(W[o, k]) in float32, then bias and
+// Maths (all): C[m, o] = sum_k half(x[m, k]) * half(W[o, k]) in float32, then bias and
 // epilogue in float32 (cuda/linear.cuh). The weights are decoded exactly (quants.cuh) and
 // rounded to fp16 once, the activations too: relative error ~1e-3 (fp16 keeps 11
 // significant bits), not batch-invariant (prefill is; decode and verify take matvec.cu).
@@ -20,13 +20,22 @@
 // copies' sources and row bounds are computed once per thread (only k advances per step):
 // recomputing them each step cost 3x the instructions of the step's MMAs (H200: +17-21 %).
 //
+// wgmma_kernel (NVIDIA sm_90a builds on sm_90 devices, where every weight is F16 as stored
+// or decoded by dequant_kernel): Hopper's warpgroup MMA. A CTA of two warpgroups computes 128
+// rows of x by BN = 128 weight rows (wgmma m64n128k16, 64 float accumulators per thread) or
+// 256 (m64n256k16; where 128 x 256 tiles make two waves of CTAs), stepping over K by 64: every
+// thread copies 16-byte pieces of both tiles with cp.async into a ring of 5 (BN 128) or 4
+// stages laid out with the 128-byte swizzle the wgmma shared-memory descriptors read, and each
+// step leaves its 4 MMAs in flight while it waits for the previous step's. The products of
+// each 16 elements are summed in K order as mma.sync sums them: the same bits as gemm_kernel.
+//
 // wmma_kernel (HIP, pre-sm_80): BM = 128 by BN = 64, stepping over K by 128; per step the
 // CTA converts its x tile (16 float4 per thread) and decodes its W tile (4 pieces per thread)
 // into shared memory, then runs 8 k-steps of nvcuda::wmma m16n16k16 (the FMA fallback of
 // the same tiling on HIP); several CTAs per SM overlap one's loads with the others' MMAs. 52
 // KiB of shared memory: within the 64 KiB of sm_75 and gfx90a.
 //
-// Both write the accumulators through shared memory, so that the epilogue writes y row by
+// All write the accumulators through shared memory, so that the epilogue writes y row by
 // row (coalesced).
 #include <mutex>
 
