@@ -44,7 +44,6 @@ import mmap
 import os
 import platform
 import re
-import shutil
 import statistics
 import struct
 import subprocess
@@ -54,7 +53,7 @@ import time
 import traceback
 from pathlib import Path
 
-from machine import cpu_name  # bench/machine.py (scripts run from bench/)
+from machine import cpu_name, gpu_info  # bench/machine.py (scripts run from bench/)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -419,31 +418,6 @@ def run_llama_bench(exe: str, path: Path, args: argparse.Namespace, timeout: flo
 
 
 # ---------------------------------------------------------------- machine, report
-
-
-def gpu_info() -> dict:
-    info: dict = {}
-    if shutil.which("nvidia-smi"):
-        q = "name,driver_version,memory.total,clocks.max.sm,clocks.max.mem,power.limit"
-        try:
-            out = subprocess.run(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader"], capture_output=True,
-                                 text=True, timeout=30).stdout.strip().splitlines()
-            if out:
-                info["nvidia_smi"] = out
-                info["name"] = out[0].split(",")[0].strip()
-        except (OSError, subprocess.SubprocessError) as exc:
-            info["nvidia_smi_error"] = str(exc)
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            p = torch.cuda.get_device_properties(0)
-            info.update(torch_name=p.name, sms=p.multi_processor_count, memory_bytes=p.total_memory,
-                        capability=f"{p.major}.{p.minor}", torch=torch.__version__, cuda=torch.version.cuda)
-            info.setdefault("name", p.name)
-    except Exception as exc:  # no torch, or no device: not an error for a CPU dry run
-        info["torch_error"] = f"{type(exc).__name__}: {exc}"
-    return info
 
 
 def slug(text: str) -> str:

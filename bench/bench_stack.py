@@ -15,6 +15,13 @@ differences (goal: <= 5 ms TTFT and <= 0.5 ms per token).
 Writes bench/results/stack_cpu_<date>.json and .png. CPU-bound: run it on a quiet machine.
 
     python bench/bench_stack.py [--workers 2] [--max-tokens 64] [--levels 1,2,4,8,16,32,64]
+
+On GPUs (`--device cuda:0[,cuda:1...]`: `specd up --device`, a worker per GPU; the in-process
+engine of the pairs runs on the first one, while the stack's worker on it waits) it measures
+what the stack costs per token next to a GPU engine, which decodes a token in well under a
+millisecond: results in stack_<kind>_<date>.json (kind: cuda or hip). On the GPU machine, with
+no network, the stack's packages travel as wheels (tools/device/stack_wheels.sh) and the model
+is a file (tools/gen_gguf.py writes chat templates too).
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-from machine import cpu_name  # bench/machine.py (scripts run from bench/)
+from machine import cpu_name, gpu_info  # bench/machine.py (scripts run from bench/)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -224,12 +231,13 @@ def plot(path: Path, levels: list[int], stack: dict, engine: dict, title: str) -
 
 
 def main() -> int:
-    from worker.launcher import Stack, UpConfig, default_threads
+    from worker.launcher import Stack, StackError, UpConfig, default_threads
     from worker.redis_local import free_port
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="demo")
-    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="the workers' devices, as specd up --device (cpu, cuda:0,cuda:1, ...)")
+    p.add_argument("--workers", type=int, default=None, help="CPU workers where --device lists cpu (default 2)")
     p.add_argument("--threads-per-worker", type=int, default=None, help="default: cores // workers")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--levels", default="1,2,4,8,16,32,64")
@@ -240,11 +248,22 @@ def main() -> int:
     args = p.parse_args()
     levels = [int(x) for x in args.levels.split(",")]   # 1 is always measured (paired)
     load_before = os.getloadavg()
+    device_list = tuple(d.strip() for d in args.device.split(","))
+    if args.workers is None:
+        args.workers = 2 if "cpu" in device_list else 1
     threads = args.threads_per_worker or default_threads(args.workers)
 
     env = {k: v for k, v in os.environ.items() if k not in ("SPECD_REDIS_URL", "REDIS_URL")}
     config = UpConfig(model=args.model, port=free_port(), workers=args.workers, redis_url=args.redis_url,
-                      threads_per_worker=threads, prefix=f"bench-{os.getpid()}")
+                      threads_per_worker=threads, prefix=f"bench-{os.getpid()}",
+                      devices=device_list)
+    try:
+        config.validate()
+    except StackError as exc:
+        p.error(str(exc))
+    devices = config.worker_devices()
+    device = devices[0]  # the pairs' in-process engine
+    kind = device.split(":")[0]
     import tempfile
 
     log_path = Path(tempfile.mkdtemp(prefix="specd-bench-")) / "stack.log"
@@ -253,14 +272,14 @@ def main() -> int:
     results: dict[str, dict] = {}
     engine = paired = None
     try:
-        print(f"starting the stack: {args.workers} worker(s) x {threads} thread(s) ...", file=sys.stderr)
+        print(f"starting the stack: {stack.describe_workers()} ...", file=sys.stderr)
         stack.start()
         model = stack.served_models[0]
         base = f"{stack.url}/v1"
-        asyncio.run(run_level(base, model, args.workers, args.workers * 2, 8))  # warm every worker
+        asyncio.run(run_level(base, model, len(devices), len(devices) * 2, 8))  # warm every worker
         from worker.generate import Generator
 
-        with Generator(args.model, n_threads=threads) as gen:
+        with Generator(args.model, n_threads=threads if kind == "cpu" else None, device=device) as gen:
             engine_request(gen, PROMPTS[0], 4)   # warm, as the workers are
             n1 = max(args.min_requests, args.pairs)
             print(f"concurrency 1: {n1} requests, stack and in-process alternating ...", file=sys.stderr)
@@ -304,25 +323,30 @@ def main() -> int:
     date = dt.date.today().strftime("%Y%m%d")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    machine = {"cpu": cpu_name(), "cores": os.cpu_count(), "platform": platform.platform(),
+               "python": platform.python_version(),
+               "loadavg_1_5_15_before": load_before, "loadavg_1_5_15_after": os.getloadavg()}
+    if kind != "cpu":
+        machine["gpu"] = gpu_info()
     record = {
-        "benchmark": "stack_cpu",
+        "benchmark": f"stack_{kind}",
         "date": dt.datetime.now().isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "platform": platform.platform(),
-                    "python": platform.python_version(),
-                    "loadavg_1_5_15_before": load_before, "loadavg_1_5_15_after": os.getloadavg()},
-        "config": {"model": args.model, "workers": args.workers, "threads_per_worker": threads,
+        "machine": machine,
+        "config": {"model": args.model, "devices": devices, "workers": args.workers, "threads_per_worker": threads,
                    "max_tokens": args.max_tokens, "levels": levels, "prompts": PROMPTS,
                    "sampling": "greedy (temperature 0)", "client": "openai.AsyncOpenAI, stream=True"},
         "stack": results,
         "engine_in_process_c1": engine,
         "overhead_c1": overhead,
     }
-    (out / f"stack_cpu_{date}.json").write_text(json.dumps(record, indent=2) + "\n")
-    title = (f"specd stack, {args.model}, {args.workers} worker(s) x {threads} thread(s), "
-             f"max_tokens {args.max_tokens}, {cpu_name()} ({os.cpu_count()} cores), {date}")
-    plot(out / f"stack_cpu_{date}.png", levels, results, engine, title)
-    print(f"wrote {out / f'stack_cpu_{date}.json'} and .png", file=sys.stderr)
+    name = f"stack_{kind}_{date}"
+    (out / f"{name}.json").write_text(json.dumps(record, indent=2) + "\n")
+    where = f"{cpu_name()} ({os.cpu_count()} cores)" if kind == "cpu" else machine["gpu"].get("name", kind)
+    title = (f"specd stack, {Path(args.model).name}, {stack.describe_workers()}, max_tokens {args.max_tokens}, "
+             f"{where}, {date}")
+    plot(out / f"{name}.png", levels, results, engine, title)
+    print(f"wrote {out / f'{name}.json'} and .png", file=sys.stderr)
     return 0
 
 

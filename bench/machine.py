@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import platform
+import shutil
+import subprocess
 from pathlib import Path
 
 
@@ -15,3 +17,30 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+def gpu_info() -> dict:
+    """The first GPU: nvidia-smi's line for each, and what PyTorch says of device 0 (where both
+    are there; errors recorded, not raised: a CPU run has neither)."""
+    info: dict = {}
+    if shutil.which("nvidia-smi"):
+        q = "name,driver_version,memory.total,clocks.max.sm,clocks.max.mem,power.limit"
+        try:
+            out = subprocess.run(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader"], capture_output=True,
+                                 text=True, timeout=30).stdout.strip().splitlines()
+            if out:
+                info["nvidia_smi"] = out
+                info["name"] = out[0].split(",")[0].strip()
+        except (OSError, subprocess.SubprocessError) as exc:
+            info["nvidia_smi_error"] = str(exc)
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            p = torch.cuda.get_device_properties(0)
+            info.update(torch_name=p.name, sms=p.multi_processor_count, memory_bytes=p.total_memory,
+                        capability=f"{p.major}.{p.minor}", torch=torch.__version__, cuda=torch.version.cuda)
+            info.setdefault("name", p.name)
+    except Exception as exc:  # no torch, or no device: not an error for a CPU dry run
+        info["torch_error"] = f"{type(exc).__name__}: {exc}"
+    return info
