@@ -15,7 +15,9 @@
 #   4. wait for the llama.cpp build (stopped if it would leave the benchmark < 150 s);
 #   5. bench/bench_gpu.py on every model, specd then llama-bench, results in $OUT;
 #   6. (NCU_MODELS) per-kernel time, DRAM bytes and issue-slot use of two decode layers
-#      (tools/device/profile_decode.py under ncu, tools/device/ncu_summary.py), CSVs in $OUT.
+#      (tools/device/profile_decode.py under ncu, tools/device/ncu_summary.py), CSVs in $OUT;
+#   7. (STACK_MODEL) the whole serving stack on cuda:0 (bench/bench_stack.py --device cuda:0):
+#      what a streamed OpenAI request costs per token next to the in-process engine.
 # Environment: BUDGET_S (the whole run, default 540 s, counted from BENCH_T0: an epoch second,
 # default now; export BENCH_T0=$(date +%s) at the start of a longer command to count its earlier
 # work), MODELS, LLAMA (0: no llama.cpp), LLAMA_BENCH_BIN (a built llama-bench: no build), REPS
@@ -24,8 +26,11 @@
 # each with Nsight Compute, once per NCU_ENVS setting, default "SPECD_GPU_TC=0"; NCU_S seconds,
 # default 150, are kept for it; NCU_ARGS, default "64", are profile_decode.py's POS0 [N], and
 # NCU_SKIP / NCU_COUNT the kernels ncu skips / profiles, default those of two decode layers:
-# e.g. NCU_ARGS="0 512" NCU_SKIP=0 NCU_COUNT=40 for the first layers of a 512-token prefill). A warm machine keeps /tmp and /dev/shm: a rerun reuses the
-# models and the build.
+# e.g. NCU_ARGS="0 512" NCU_SKIP=0 NCU_COUNT=40 for the first layers of a 512-token prefill),
+# STACK_MODEL ("shape:TYPE", among MODELS: phase 7 on it; carry the wheels of
+# tools/device/stack_wheels.sh in .whl; STACK_S seconds, default 120, are kept for it;
+# STACK_ARGS: bench_stack.py's arguments, default "--levels 1,2,4 --pairs 8 --max-tokens 256").
+# A warm machine keeps /tmp and /dev/shm: a rerun reuses the models and the build.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$ROOT" || exit 1
@@ -129,7 +134,9 @@ QUICK=(--reps-decode 30 --reps-verify 10 --reps-prefill 3 --gen-repeats 2 --llam
 [[ ${REPS:-quick} == full ]] && QUICK=()
 NCU_S=${NCU_S:-150}
 [[ -n ${NCU_MODELS:-} ]] || NCU_S=0
-left=$(( BUDGET_S - NCU_S - $(elapsed) - 10 ))
+STACK_S=${STACK_S:-120}
+[[ -n ${STACK_MODEL:-} ]] || STACK_S=0
+left=$(( BUDGET_S - NCU_S - STACK_S - $(elapsed) - 10 ))
 # shellcheck disable=SC2086  # BENCH_ARGS: several words on purpose
 PYTHONUNBUFFERED=1 python3 bench/bench_gpu.py "${FILES[@]}" --out "$OUT" "${LLAMA_ARGS[@]}" "${QUICK[@]}" \
   --deadline "$left" ${BENCH_ARGS:-}
@@ -160,5 +167,21 @@ smsp__issue_active.avg.pct_of_peak_sustained_active,sm__warps_active.avg.pct_of_
     done
   done
   phase "6. done"
+fi
+
+if [[ -n ${STACK_MODEL:-} ]]; then
+  phase "7. the stack on cuda:0: $STACK_MODEL"
+  read -r _ path < <(python3 tools/gen_gguf.py --dry-run -o "$DIR" "${STACK_MODEL%%:*}" "${STACK_MODEL#*:}")
+  t=$(( BUDGET_S - $(elapsed) ))
+  if [[ ! -f $path ]]; then
+    echo "stack: $STACK_MODEL was not written (add it to MODELS)"
+  elif (( t < 30 )); then
+    echo "stack: SKIPPED, out of time"
+  else
+    # shellcheck disable=SC2086  # STACK_ARGS: several words on purpose
+    (cd bench && PYTHONUNBUFFERED=1 timeout "$t" python3 bench_stack.py --device cuda:0 --model "$path" \
+      --out "$OUT" ${STACK_ARGS:---levels 1,2,4 --pairs 8 --max-tokens 256}) || echo "stack: bench_stack.py failed"
+    phase "7. done"
+  fi
 fi
 exit $rc
