@@ -9,7 +9,8 @@
 # Phases, each timed in $OUT/bench.log:
 #   1. install the carried wheels into /tmp/site;
 #   2. build llama-bench (CUDA) in the background, niced (tools/device/build_llamacpp.sh);
-#      meanwhile run $SPECD_BUILD, if set (a command that builds specd's native module);
+#      meanwhile run $SPECD_BUILD, if set (a command that builds specd's native module), then
+#      with PYTEST set the GPU tests (`pytest tests/gpu $PYTEST_ARGS`, log in $OUT/pytest.log);
 #   3. meanwhile write the random-weight models (tools/gen_gguf.py) into /dev/shm when it has room,
 #      else /tmp: $MODELS, small first; a model that would not fit the disk or the time is skipped;
 #   4. wait for the llama.cpp build (stopped if it would leave the benchmark < 150 s);
@@ -27,6 +28,7 @@
 # default 150, are kept for it; NCU_ARGS, default "64", are profile_decode.py's POS0 [N], and
 # NCU_SKIP / NCU_COUNT the kernels ncu skips / profiles, default those of two decode layers:
 # e.g. NCU_ARGS="0 512" NCU_SKIP=0 NCU_COUNT=40 for the first layers of a 512-token prefill),
+# PYTEST (1: phase 2's GPU tests; PYTEST_ARGS, default "-q", e.g. "-q -x -k wgmma"),
 # STACK_MODEL ("shape:TYPE", among MODELS: phase 7 on it; carry the wheels of
 # tools/device/stack_wheels.sh in .whl; STACK_S seconds, default 120, are kept for it;
 # STACK_ARGS: bench_stack.py's arguments, default "--levels 1,2,4 --pairs 8 --max-tokens 256").
@@ -82,6 +84,12 @@ python3 -c "import gguf; print('gguf', gguf.__version__ if hasattr(gguf, '__vers
   || { echo "cannot import gguf: carry .whl (the gguf wheel)"; exit 1; }
 python3 -c "import worker.engine as e; print('specd native types:', e.native.supported_types())" \
   || echo "SPECD DOES NOT IMPORT: specd's numbers will be missing; llama.cpp's still run"
+if [[ ${PYTEST:-0} == 1 ]]; then
+  phase "2c. GPU tests: pytest tests/gpu ${PYTEST_ARGS:--q} (log: $OUT/pytest.log)"
+  # shellcheck disable=SC2086  # PYTEST_ARGS: several words on purpose
+  python3 -m pytest tests/gpu ${PYTEST_ARGS:--q} >"$OUT/pytest.log" 2>&1
+  echo "pytest exit $?: $(tail -1 "$OUT/pytest.log")"
+fi
 
 phase "3. writing models"
 DIR=/tmp/specd-models
