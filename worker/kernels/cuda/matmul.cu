@@ -577,9 +577,16 @@ __global__ void __launch_bounds__(kThreads, 2) wmma_kernel(const MmParams p) {
   store_tile(p, Cs, kLdc, BM, BN, m0, j, o0);
 }
 
-// The sm_80+ kernel unless SPECD_GPU_GEMM=wmma (benchmarks) or the device lacks it.
+// SPECD_GPU_GEMM, read once: the benchmarks' choice of prefill kernel ("wmma", "mma", "bm128":
+// mma.sync with 128-row tiles wherever they fit; unset or anything else: the defaults).
+const std::string& gemm_setting() {
+  static const std::string v = env_value("SPECD_GPU_GEMM");
+  return v;
+}
+
+// The sm_80+ kernel unless SPECD_GPU_GEMM=wmma or the device lacks it.
 bool use_pipe() {
-  static const bool off = env_value("SPECD_GPU_GEMM") == "wmma";
+  const bool off = gemm_setting() == "wmma";
   return !SPECD_HIP && dev_limits().mma && !off && dev_limits().smem_per_block >= pipe::smem_bytes<64>();
 }
 
@@ -599,10 +606,11 @@ void launch_gemm(const MmParams& p, int64_t ctas, const __half* xh, bool copy_w,
   copy_w ? launch_gemm<BM, true>(p, ctas, xh, s) : launch_gemm<BM, false>(p, ctas, xh, s);
 }
 
-// The sm_90a kernel for F16 weights (as stored or decoded) unless SPECD_GPU_GEMM is "mma" (the
-// mma.sync kernel) or "wmma".
+// The sm_90a kernel for F16 weights (as stored or decoded) unless SPECD_GPU_GEMM names another
+// kernel ("mma", "bm128": the mma.sync kernel; "wmma").
 bool use_wgmma() {
-  static const bool off = env_value("SPECD_GPU_GEMM") == "mma" || env_value("SPECD_GPU_GEMM") == "wmma";
+  const std::string& g = gemm_setting();
+  const bool off = g == "mma" || g == "bm128" || g == "wmma";
   return dev_limits().wgmma && !off && dev_limits().smem_per_block >= wg::smem_bytes<128, 4>();
 }
 
@@ -687,7 +695,7 @@ void matmul_large(const LinearArgs& a, gpuStream_t s) {
     }
     // 128-row tiles where they fill every SM twice (SPECD_GPU_GEMM=bm128: always) and fit,
     // else 64
-    static const bool always128 = env_value("SPECD_GPU_GEMM") == "bm128";
+    const bool always128 = gemm_setting() == "bm128";
     const bool big = (always128 || ceil_div(a.n, 128) * ctas >= 2 * (int64_t)dev_limits().sms) &&
                      dev_limits().smem_per_block >= pipe::smem_bytes<128>();
     if (big) launch_gemm<128>(p, ctas, xh, copy_w, s);
