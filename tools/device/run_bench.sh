@@ -99,10 +99,12 @@ shm=$(df -B1 --output=avail /dev/shm 2>/dev/null | tail -1 || echo 0)
 if [[ ${shm:-0} -gt $(( need + (8 << 30) )) ]]; then DIR=/dev/shm/specd-models; fi
 mkdir -p "$DIR"
 echo "models need $(( need >> 30 )) GiB; writing to $DIR ($(df -h --output=avail "$DIR" | tail -1) free)"
+# "SIZE PATH" of the model file that MODELS' entry $1 ("shape:TYPE") names in $DIR
+model_file() { python3 tools/gen_gguf.py --dry-run -o "$DIR" "${1%%:*}" "${1#*:}"; }
 FILES=()
 for m in $MODELS; do
   shape=${m%%:*}; ftype=${m#*:}
-  read -r size path < <(python3 tools/gen_gguf.py --dry-run -o "$DIR" "$shape" "$ftype")
+  read -r size path < <(model_file "$m")
   avail=$(df -B1 --output=avail "$DIR" | tail -1)
   if (( size + (2 << 30) > avail )); then echo "SKIPPED $m: needs $(( size >> 20 )) MiB, $(( avail >> 20 )) MiB free"; continue; fi
   if (( $(elapsed) > BUDGET_S - 200 )); then echo "SKIPPED $m: out of time"; continue; fi
@@ -156,7 +158,7 @@ if [[ -n ${NCU_MODELS:-} ]]; then
   NCU_BIN=$(command -v ncu || find /opt/nvidia /usr/local/cuda* -name ncu -type f 2>/dev/null | head -1)
   for m in $NCU_MODELS; do
     shape=${m%%:*}; ftype=${m#*:}
-    read -r _ path < <(python3 tools/gen_gguf.py --dry-run -o "$DIR" "$shape" "$ftype")
+    read -r _ path < <(model_file "$m")
     [[ -f $path ]] || { echo "ncu: $m was not written (add it to MODELS)"; continue; }
     layers=$(python3 -c "from worker.model_file import open_model as o; print(o('$path').config.n_layers)")
     for e in ${NCU_ENVS:-SPECD_GPU_TC=0}; do
@@ -179,7 +181,7 @@ fi
 
 if [[ -n ${STACK_MODEL:-} ]]; then
   phase "7. the stack on cuda:0: $STACK_MODEL"
-  read -r _ path < <(python3 tools/gen_gguf.py --dry-run -o "$DIR" "${STACK_MODEL%%:*}" "${STACK_MODEL#*:}")
+  read -r _ path < <(model_file "$STACK_MODEL")
   t=$(( BUDGET_S - $(elapsed) ))
   if [[ ! -f $path ]]; then
     echo "stack: $STACK_MODEL was not written (add it to MODELS)"
