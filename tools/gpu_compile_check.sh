@@ -42,6 +42,18 @@ if [[ "$what" == cuda || "$what" == all ]]; then
   fi
   echo "gpu_compile_check: nvcc $(nvcc --version | sed -nE 's/.*release ([0-9.]+).*/\1/p'), architectures '${archs:-default}'"
   build cuda cuda -DCMAKE_CUDA_COMPILER="$(command -v nvcc)" ${archs:+-DSPECD_CUDA_ARCHITECTURES="$archs"}
+  # The phase marks of tools/device/trace_decode.py (cuda/trace.cuh) exist only in
+  # SPECD_GPU_TRACE=1 builds: the files that hold them, compiled for sm_90a with it.
+  t0=$SECONDS
+  pids=()
+  mkdir -p build/check-cuda
+  for f in device.cu matvec_kq.cu matvec_f16.cu attention.cu; do
+    nvcc -std=c++17 --expt-relaxed-constexpr -O3 -arch=sm_90a -Iworker/kernels -Iworker -DSPECD_WITH_GPU=1 \
+      -DSPECD_GPU_TRACE=1 -c "worker/kernels/cuda/$f" -o "build/check-cuda/trace-${f%.cu}.o" &
+    pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait "$p" || { echo "gpu_compile_check: the SPECD_GPU_TRACE=1 build failed"; exit 1; }; done
+  echo "gpu_compile_check: cuda with SPECD_GPU_TRACE=1 OK ($((SECONDS - t0)) s)"
 fi
 
 if [[ "$what" == hip || "$what" == all ]]; then

@@ -445,6 +445,25 @@ def test_staged_digit_readers_give_the_same_bits(rng: np.random.Generator, tmp_p
         np.testing.assert_array_equal(y.view(np.uint32), ref.view(np.uint32), what)
 
 
+# A launch mixing Q4_K and Q6_K rows (QKV with a Q6_K V, whose rows are read as words: the
+# slow blocks) takes the Q6_K blocks in CTAs that take no second block (SPECD_GPU_MIX_ORDER=0:
+# the plain order). It applies where the blocks outnumber the CTAs by fewer than the CTAs left
+# over, as Qwen3-8B's QKV does on an H200 (384 blocks of 16 rows, 64 of them Q6_K, 264 CTAs
+# for one or two rows of x), and changes no row's sums.
+def test_mixed_block_order_gives_the_same_bits(rng: np.random.Generator, tmp_path) -> None:
+    n_in, specs = 4096, [(T.Q4_K, 4096), (T.Q4_K, 1024), (T.Q6_K, 1024)]
+    ws = [(t, random_weight(rng, t, m, n_in), m, n_in) for t, m in specs]
+    x = rng.standard_normal((4, n_in), dtype=np.float32) / np.sqrt(n_in)
+    norm_w = rng.uniform(0.5, 1.5, n_in).astype(np.float32)
+    calls = [dict(ws=ws, x=x[:n], **extra) for n in (1, 2, 4) for extra in ({}, dict(norm_w=norm_w, eps=1e-6))]
+    now = [gpu_call(c) for c in calls]
+    refs = linear_in_subprocess(calls, tmp_path, SPECD_GPU_MIX_ORDER="0")
+    for i, (c, y, ref) in enumerate(zip(calls, now, refs)):
+        what = f"call {i}: n={len(c['x'])} norm={'norm_w' in c}"
+        np.testing.assert_array_equal(y.view(np.uint32), ref.view(np.uint32), what)
+        assert np.isfinite(y).all(), what
+
+
 # ---- the prefill GEMM on Hopper's warpgroup MMA (matmul.cu wgmma_kernel: builds with sm_90a
 # code, on sm_90 devices; every weight F16, as stored or decoded once per call from 256 rows of
 # x): against float64 within the fp16 bound. Its tiles of 128 and 256 weight rows (forced by
@@ -725,6 +744,16 @@ def test_linear_rejects_bad_arguments(rng: np.random.Generator) -> None:
             x[:, :12])
     with pytest.raises(SpecdError, match=r"unsupported tensor type id 10"):  # Q2_K: no decoder anywhere
         G.linear(weights=[(10, np.zeros(84, np.uint8), 256, 1)], biases=[None], x=np.zeros((1, 256), np.float32))
+
+
+def test_trace_is_off_in_plain_builds() -> None:
+    # cuda/trace.cuh: only a SPECD_GPU_TRACE=1 build (tools/device/trace_decode.py) records
+    # kernel phases; the test build records nothing and says so.
+    assert G.trace_begin(16) is False
+    rec = G.trace_end()
+    assert rec.shape == (0, 8) and rec.dtype == np.uint64
+    with pytest.raises(SpecdError, match="cap must be"):
+        G.trace_begin(0)
 
 
 def test_errors_leave_the_device_usable(rng: np.random.Generator) -> None:

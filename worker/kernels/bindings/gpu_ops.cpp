@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -112,6 +113,14 @@ void register_gpu_ops(py::module_& m) {
   g.def("device_count", &T::device_count);
   g.def("device_name", &T::device_name, py::arg("device") = 0);
   g.def("wgmma", &T::wgmma, "whether the current device takes the sm_90a prefill GEMM");
+  g.def("trace_begin", &T::trace_begin, py::arg("cap"),
+        "record the traced kernels' phase marks (a SPECD_GPU_TRACE=1 build; false in others)");
+  g.def("trace_end", [] {
+    const std::vector<uint64_t> v = T::trace_end();
+    py::array_t<uint64_t> a({(py::ssize_t)(v.size() / 8), (py::ssize_t)8});
+    std::copy(v.begin(), v.end(), a.mutable_data());
+    return a;
+  }, "the records since trace_begin, [n, 8] uint64 (cuda/trace.cuh)");
   g.def(
       "linear",
       [](const py::list& weights, const py::list& biases, const f32_array& x, py::object norm_w, float eps,

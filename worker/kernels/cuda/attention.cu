@@ -49,6 +49,7 @@
 #include "cuda/attention.cuh"
 #include "cuda/mma.cuh"
 #include "cuda/testing.h"
+#include "cuda/trace.cuh"
 
 namespace specd {
 namespace gpu {
@@ -885,6 +886,8 @@ __global__ void __launch_bounds__(kAttnThreads) attn_decode_kernel(const AttnPar
   double* cs = reinterpret_cast<double*>(ml + 2 * kDecMaxRows);
   KvT* fk = reinterpret_cast<KvT*>(cs + 2 * kRopeMaxPairs);
   KvT* fv = fk + HD;
+  SPECD_TRACE_DECL;
+  SPECD_TRACE_MARK(0);
 
   const int c = blockIdx.x / P.n_kv, g = blockIdx.x % P.n_kv;
   const int pos0 = *P.d_pos0;  // (set before the forward)
@@ -930,6 +933,8 @@ __global__ void __launch_bounds__(kAttnThreads) attn_decode_kernel(const AttnPar
   __syncthreads();  // the angles
   gpu_grid_wait();  // (programmatic dependent launch: vendor.cuh) the QKV product is done
   gpu_grid_launch_dependents();
+  SPECD_TRACE_MARK(1);
+  SPECD_TRACE_MARK(2);
 
   // ---- stage: q heads into qs; the new K / V row into fk / fv
   {
@@ -1048,8 +1053,10 @@ __global__ void __launch_bounds__(kAttnThreads) attn_decode_kernel(const AttnPar
   // ---- fold: the last of this KV head's chunks combines its query heads (as attn_chunk_kernel)
   // (the flag in ml, read above: fold_last's first barrier orders it)
   const int n_live = min(P.n_chunks - 1, pos0 / kChunk) + 1;
+  SPECD_TRACE_MARK(3);
   if (P.fold && n_live > 1 && fold_last(P.counters + g, n_live, reinterpret_cast<int*>(ml)))
     combine_rows(P, 0, g * R, R, reinterpret_cast<float*>(smem4));
+  SPECD_TRACE_RECORD(kTraceAttnDecode, (unsigned long long)(uintptr_t)P.out);
 }
 
 // ---- host side

@@ -4,8 +4,10 @@
 #include <algorithm>
 #include <cstdlib>
 #include <string>
+#include <vector>
 
 #include "cuda/testing.h"
+#include "cuda/trace.cuh"
 
 namespace specd {
 namespace gpu {
@@ -60,7 +62,56 @@ const DevLimits& dev_limits() {
   return L;
 }
 
+namespace {
+std::vector<void (*)(const TraceBuf&)>& trace_setters() {
+  static std::vector<void (*)(const TraceBuf&)> v;
+  return v;
+}
+struct TraceState {
+  DeviceBuffer rec, count;
+  unsigned cap = 0;
+};
+TraceState& trace_state() {
+  static TraceState s;
+  return s;
+}
+}  // namespace
+
+void trace_register(void (*set)(const TraceBuf&)) { trace_setters().push_back(set); }
+
 namespace testing {
+
+bool trace_begin(int64_t cap) {
+  SPECD_CHECK(cap > 0 && cap < (int64_t)1 << 26, "trace_begin: cap must be in 1 .. 2^26 records");
+  if (trace_setters().empty()) return false;  // not a SPECD_GPU_TRACE build
+  TraceState& st = trace_state();
+  st.rec.resize(sizeof(unsigned long long) * kTraceWords * (size_t)cap);
+  st.count.resize(sizeof(unsigned));
+  SPECD_GPU_CHECK(gpuMemset(st.count.get(), 0, sizeof(unsigned)));
+  st.cap = (unsigned)cap;
+  TraceBuf b;
+  b.rec = st.rec.get<unsigned long long>();
+  b.count = st.count.get<unsigned>();
+  b.cap = st.cap;
+  for (auto set : trace_setters()) set(b);
+  SPECD_GPU_CHECK(gpuDeviceSynchronize());
+  return true;
+}
+
+std::vector<uint64_t> trace_end() {
+  TraceState& st = trace_state();
+  std::vector<uint64_t> out;
+  if (st.cap == 0) return out;
+  SPECD_GPU_CHECK(gpuDeviceSynchronize());
+  for (auto set : trace_setters()) set(TraceBuf());
+  unsigned n = 0;
+  SPECD_GPU_CHECK(gpuMemcpy(&n, st.count.get(), sizeof n, gpuMemcpyDeviceToHost));
+  n = std::min(n, st.cap);
+  out.resize((size_t)n * kTraceWords);
+  if (n) SPECD_GPU_CHECK(gpuMemcpy(out.data(), st.rec.get(), out.size() * sizeof(uint64_t), gpuMemcpyDeviceToHost));
+  st = TraceState();
+  return out;
+}
 
 int device_count() {
   int n = 0;

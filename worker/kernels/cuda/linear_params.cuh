@@ -30,6 +30,9 @@ struct LinParamsOf {
   float eps = 0.f;
   float* y = nullptr;             // [n, ldy]
   int64_t ldy = 0, n = 0, K = 0;
+  // direct readers (matvec_direct.cuh) only: the slow blocks' move (blocks [n_cb - move_n,
+  // n_cb) are taken at loop positions [move_at, move_at + move_n); 0: none)
+  int32_t move_n = 0, move_at = 0;
 };
 using LinParams = LinParamsOf<LinWeight>;
 

@@ -36,6 +36,7 @@
 
 #include "cuda/linear.cuh"
 #include "cuda/linear_params.cuh"
+#include "cuda/trace.cuh"
 
 namespace specd {
 namespace gpu {
@@ -74,11 +75,30 @@ __host__ __device__ constexpr int stage_slots() {
   else return 1;
 }
 
+// Mixed readers (R::kMixed: blocks of rows of different weight types, one launch; with
+// R::last_is_slow(p): whether the last weight's blocks take longest) may have their slow
+// blocks moved to CTAs that take one block only (LinParams::move_n).
+template <class R, class = void>
+struct IsMixed : std::false_type {};
+template <class R>
+struct IsMixed<R, std::void_t<decltype(R::kMixed)>> : std::bool_constant<R::kMixed> {};
+
+// The block of rows a CTA takes at position i of the persistent loop: i, except that the last
+// move_n blocks (the slow ones) are taken at positions move_at .. move_at + move_n - 1, where
+// no CTA takes a second block (those after shift up).
+template <class P>
+__device__ __forceinline__ int block_at(const P& p, int i) {
+  if (p.move_n == 0 || i < p.move_at) return i;
+  return i < p.move_at + p.move_n ? p.n_cb - p.move_n + (i - p.move_at) : i - p.move_n;
+}
+
 template <class R, int NR>
 __global__ void __launch_bounds__(kThreads, R::min_blocks(NR)) direct_kernel(const typename R::Params p) {
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ float red[kGroup];
   __shared__ float inv[NR];  // fused RMSNorm factor of each row (1 without the norm)
+  SPECD_TRACE_DECL;
+  SPECD_TRACE_MARK(0);
   // (half groups: 16 "groups" of 16 lanes)
   const int hv = p.halves, lane = threadIdx.x % (kGroup >> hv), warp = threadIdx.x / (kGroup >> hv);
   const int warps = kWarps << hv;
@@ -96,7 +116,7 @@ __global__ void __launch_bounds__(kThreads, R::min_blocks(NR)) direct_kernel(con
   {
     int j0;
     int64_t o;
-    group_rows<kRpg>(p, l_cb, warp, warps, j0, o, lsrc);
+    group_rows<kRpg>(p, block_at(p, l_cb), warp, warps, j0, o, lsrc);
     ltype = p.w[j0].type;
   }
   auto advance = [&] {  // the stream's next step
@@ -106,7 +126,7 @@ __global__ void __launch_bounds__(kThreads, R::min_blocks(NR)) direct_kernel(con
       if (l_cb < n_cb) {
         int j0;
         int64_t o;
-        group_rows<kRpg>(p, l_cb, warp, warps, j0, o, lsrc);
+        group_rows<kRpg>(p, block_at(p, l_cb), warp, warps, j0, o, lsrc);
         ltype = p.w[j0].type;
       }
     }
@@ -142,6 +162,7 @@ __global__ void __launch_bounds__(kThreads, R::min_blocks(NR)) direct_kernel(con
 
   gpu_grid_wait();
   gpu_grid_launch_dependents();
+  SPECD_TRACE_MARK(1);
 
   // inv_r = 1/sqrt(mean(x_r^2) + eps): one fixed-order CTA reduction per row, in the same
   // pass over x as its preparation
@@ -160,8 +181,10 @@ __global__ void __launch_bounds__(kThreads, R::min_blocks(NR)) direct_kernel(con
     if (threadIdx.x < NR) inv[threadIdx.x] = 1.f;
   }
   __syncthreads();  // inv[] and x are visible
+  SPECD_TRACE_MARK(2);
 
-  for (int cb = blockIdx.x; cb < n_cb; cb += step) {
+  for (int i_cb = blockIdx.x; i_cb < n_cb; i_cb += step) {
+    const int cb = block_at(p, i_cb);
     GgmlType type;  // (for readers of mixed calls; the others ignore it)
     {
       int j;
@@ -203,10 +226,18 @@ __global__ void __launch_bounds__(kThreads, R::min_blocks(NR)) direct_kernel(con
       for (int r = 0; r < NR; ++r) acc[rr][r] = (hv ? half_sum(acc[rr][r]) : group_sum(acc[rr][r])) * inv[r];
     group_store<kRpg, NR>(p, lane, row0, j0, o_first, acc);
   }
+  SPECD_TRACE_MARK(3);
+  SPECD_TRACE_RECORD(kTraceDirect, (unsigned long long)(uintptr_t)p.y ^ (unsigned long long)K << 48);
+}
+
+// SPECD_GPU_MIX_ORDER=0: mixed calls' blocks in their plain order (benchmarks).
+inline bool mix_order_on() {
+  static const bool on = env_value("SPECD_GPU_MIX_ORDER") != "0";
+  return on;
 }
 
 template <class R, int NR>
-void launch_tile(const typename R::Params& p, size_t smem, gpuStream_t s) {
+void launch_tile(typename R::Params p, size_t smem, gpuStream_t s) {
   static std::once_flag once;  // allow the device's largest shared memory once per kernel
   std::call_once(once, [] {
     SPECD_GPU_CHECK(gpuFuncSetAttribute((direct_kernel<R, NR>), gpuFuncAttributeMaxDynamicSharedMemorySize,
@@ -215,6 +246,15 @@ void launch_tile(const typename R::Params& p, size_t smem, gpuStream_t s) {
   int per_sm = 0;  // persistent CTAs: as many as fit at once
   SPECD_GPU_CHECK(gpuOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, (direct_kernel<R, NR>), kThreads, smem));
   const int64_t ctas = std::min<int64_t>(p.n_cb, (int64_t)std::max(per_sm, 1) * dev_limits().sms);
+  // Mixed calls: the last weight's blocks (QKV with a Q6_K V: the slow ones) go to CTAs that
+  // take no second block, where there are enough of them
+  if constexpr (IsMixed<R>::value) {
+    const int64_t slow = p.n_w > 1 && R::last_is_slow(p) ? p.n_cb - p.w[p.n_w - 1].cta0 : 0;
+    if (mix_order_on() && slow > 0 && p.n_cb > ctas && p.n_cb + slow <= 2 * ctas) {
+      p.move_n = (int32_t)slow;
+      p.move_at = (int32_t)(ctas - slow);
+    }
+  }
   const dim3 grid((unsigned)ctas, (unsigned)ceil_div(p.n, NR));
   gpu_launch(R::kName, direct_kernel<R, NR>, grid, dim3(kThreads), smem, s, p);
 }

@@ -406,6 +406,9 @@ struct KqMix {
 template <class K>
 struct KqReader {
   using Kind = K;
+  static constexpr bool kMixed = std::is_same<K, KqMix>::value;
+  // (mixed: a QKV whose V is Q6_K, read as words: its blocks are the slow ones)
+  static bool last_is_slow(const KqParams& p) { return p.w[p.n_w - 1].type == GgmlType::Q6_K; }
   using Params = KqParams;
   using Chunk = typename K::Chunk;
   static constexpr const char* kName = "kq_kernel";

@@ -18,6 +18,12 @@ int device_count();                      // 0 when no usable device (or no drive
 std::string device_name(int device);
 bool wgmma();  // the current device takes the sm_90a prefill GEMM (dev_limits().wgmma)
 
+// cuda/trace.cuh: records of the traced kernels (a SPECD_GPU_TRACE=1 build) from now on, at
+// most cap; false (and nothing recorded) in other builds. trace_end(): waits for the device,
+// stops recording and returns the records (kTraceWords words each).
+bool trace_begin(int64_t cap);
+std::vector<uint64_t> trace_end();
+
 // cuda/linear.cuh with host arrays. ws: 1..3 host weights; biases: same length as ws, each
 // null or [n_out_j]; x [n, K]; norm_w null or [K]; y [n, ldy] (read too for Accumulate);
 // tensor_cores: LinearArgs's.

@@ -1,0 +1,132 @@
+"""Where a decode step's time goes inside the captured graph, kernel by kernel (tools/device:
+run on the GPU machine, with a SPECD_GPU_TRACE=1 build, cuda/trace.cuh).
+
+    CUDAFLAGS=-DSPECD_GPU_TRACE=1 SPECD_BACKEND=cuda tools/dev_build.sh trace
+    SPECD_NATIVE_DIR=build/dev-trace python3 tools/device/trace_decode.py MODEL.gguf [--pos0 64] [--reps 7]
+
+Runs `reps` one-position forwards after pos0 positions (Engine.bench_forward, the step
+bench_gpu.py times) with the traced kernels (the direct matrix-vector readers and the decode
+attention) writing each CTA's phase marks, then prints per launch kind (a kernel with its K
+and output, e.g. one layer's wo) the medians over layers and replays, in microseconds:
+
+  start   first CTA's entry, from the previous traced launch's last exit (negative: it was
+          resident early, programmatic dependent launch)
+  wait    the grid dependency wait returned (median CTA), from that same exit
+  prep    wait -> x prepared (median CTA's clock)      loop  prepared -> its rows done
+  tail    loop done -> the CTA's barrier at the exit    span  first entry -> last exit
+  gap     the part of the step between this launch's last exit and the previous one's that
+          no traced CTA of this launch was computing in (wait + the spread of CTA ends)
+The traced forward's own time (bench_forward) is printed with the sum of the spans, and
+--json writes the table.
+"""
+import argparse
+import json
+import sys
+from collections import defaultdict
+
+import numpy as np
+
+from worker.engine import Engine, native
+from worker.model_file import open_model
+
+TAGS = {1: "direct", 2: "attn_decode"}
+
+
+def launches(rec: np.ndarray) -> list[dict]:
+    """Records (cuda/trace.cuh) grouped into launches: sorted by entry, split where the
+    (tag, key, grid) changes (every CTA of a launch starts before any of the next one's)."""
+    rec = rec[np.argsort(rec[:, 0], kind="stable")]
+    out: list[dict] = []
+    for r in rec:
+        sig = (int(r[5] >> 56), int(r[6]), int(r[7]))
+        if not out or out[-1]["sig"] != sig:
+            out.append({"sig": sig, "rows": []})
+        out[-1]["rows"].append(r)
+    for L in out:
+        L["rows"] = np.array(L["rows"])
+    return out
+
+
+def summarize(L: dict, prev_end: int | None, ns_per_clock: float) -> dict:
+    r = L["rows"]
+    g0, g4, g1 = r[:, 0].astype(np.int64), r[:, 1].astype(np.int64), r[:, 4].astype(np.int64)
+    c1, c2 = (r[:, 2] & 0xFFFFFFFF).astype(np.int64), (r[:, 2] >> 32).astype(np.int64)
+    c3, c4 = (r[:, 3] & 0xFFFFFFFF).astype(np.int64), (r[:, 3] >> 32).astype(np.int64)
+    tag, key, grid = L["sig"]
+    base = prev_end if prev_end is not None else int(g0.min())
+    us = 1e-3
+    return {
+        "kind": f"{TAGS.get(tag, tag)} K={key >> 48} grid={grid & 0xFFFFFFFF}x{grid >> 32}",
+        "ctas": int(len(r)),
+        "start": (int(g0.min()) - base) * us,
+        "wait": (float(np.median(g1)) - base) * us,
+        "prep": float(np.median(c2 - c1)) * ns_per_clock * us,
+        "loop": float(np.median(c3 - c2)) * ns_per_clock * us,
+        "tail": float(np.median(c4 - c3)) * ns_per_clock * us,
+        "span": (int(g4.max()) - int(g0.min())) * us,
+        "end_spread": (int(g4.max()) - float(np.median(g4))) * us,
+        "gap": (int(g4.max()) - base) * us - float(np.median(c4 - c1)) * ns_per_clock * us,
+        "end": int(g4.max()),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model")
+    ap.add_argument("--pos0", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    g = getattr(native, "gpu_ops", None)
+    if g is None:
+        sys.exit("trace_decode: this native module has no GPU backend")
+    with Engine(open_model(args.model), device="cuda:0", n_ctx=max(256, args.pos0 + 8)) as eng:
+        n_layers = eng.model.config.n_layers
+        eng.bench_forward(1, args.pos0, 3)  # captures the graph, warms up
+        if not g.trace_begin(1 << 20):
+            sys.exit("trace_decode: not a SPECD_GPU_TRACE=1 build (cuda/trace.cuh)")
+        secs = eng.bench_forward(1, args.pos0, args.reps)
+        rec = g.trace_end()
+    rec = rec[(rec[:, 7] >> 32) == 1]  # one row of x: the decode forwards (not the context fill)
+    ls = launches(rec)
+    # clock64 -> ns from the CTAs' own entry-exit intervals
+    allr = np.concatenate([L["rows"] for L in ls])
+    c4 = (allr[:, 3] >> 32).astype(np.float64)
+    dt = (allr[:, 1].astype(np.int64) - allr[:, 0].astype(np.int64)).astype(np.float64)
+    ok = c4 > 2000
+    ns_per_clock = float(np.median(dt[ok] / c4[ok])) if ok.any() else 1 / 1.98
+    res = np.unique(np.diff(np.unique(allr[:, 0].astype(np.int64))))
+    print(f"{len(rec)} records, {len(ls)} launches, {n_layers} layers, {args.reps} forwards; "
+          f"clock {1 / ns_per_clock:.3f} GHz; smallest %globaltimer step {res[res > 0].min() if (res > 0).any() else 0} ns")
+    per_fwd = len(ls) // args.reps
+    rows, prev = [], None
+    for i, L in enumerate(ls):
+        s = summarize(L, prev if i % per_fwd else None, ns_per_clock)
+        s["index"] = i % per_fwd
+        prev = s["end"]
+        rows.append(s)
+    by = defaultdict(list)
+    for s in rows:
+        by[s["kind"]].append(s)
+    cols = ("ctas", "start", "wait", "prep", "loop", "tail", "span", "end_spread", "gap")
+    print(f"\n{'launch kind':44} {'n':>4} " + " ".join(f"{c:>10}" for c in cols))
+    table = []
+    for kind, ss in by.items():
+        med = {c: float(np.median([s[c] for s in ss])) for c in cols}
+        table.append({"kind": kind, "launches": len(ss), **med})
+        print(f"{kind:44} {len(ss):4d} " + " ".join(f"{med[c]:10.2f}" for c in cols))
+    fwd_spans = []
+    for f in range(args.reps):
+        fl = [L for j, L in enumerate(ls) if j // per_fwd == f]
+        if fl:
+            fwd_spans.append((int(max(int(L["rows"][:, 1].max()) for L in fl)) - int(fl[0]["rows"][:, 0].min())) * 1e-3)
+    print(f"\nforward (bench_forward) median {np.median(secs) * 1e6:.1f} us; traced launches first entry -> "
+          f"last exit median {np.median(fwd_spans):.1f} us; per layer {np.median(fwd_spans) / n_layers:.2f} us")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"model": args.model, "pos0": args.pos0, "reps": args.reps, "forward_us": [x * 1e6 for x in secs],
+                       "traced_span_us": fwd_spans, "kinds": table}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
