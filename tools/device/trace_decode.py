@@ -6,28 +6,30 @@ run on the GPU machine, with a SPECD_GPU_TRACE=1 build, cuda/trace.cuh).
 
 Runs `reps` one-position forwards after pos0 positions (Engine.bench_forward, the step
 bench_gpu.py times) with the traced kernels (the direct matrix-vector readers and the decode
-attention) writing each CTA's phase marks, then prints per launch kind (a kernel with its K
-and output, e.g. one layer's wo) the medians over layers and replays, in microseconds:
+attention) writing each CTA's phase marks, then prints per launch kind (a kernel with its K,
+its output buffer, out#, numbered as they first appear, and its grid: e.g. every layer's wo)
+the medians over layers and replays, in microseconds:
 
   start   first CTA's entry, from the previous traced launch's last exit (negative: it was
           resident early, programmatic dependent launch)
   wait    the grid dependency wait returned (median CTA), from that same exit
   prep    wait -> x prepared (median CTA's clock)      loop  prepared -> its rows done
   tail    loop done -> the CTA's barrier at the exit    span  first entry -> last exit
+  end_spread  last CTA's exit - the median CTA's exit
   gap     the part of the step between this launch's last exit and the previous one's that
           no traced CTA of this launch was computing in (wait + the spread of CTA ends)
 The traced forward's own time (bench_forward) is printed with the sum of the spans, and
---json writes the table.
+--json writes the table. Off the GPU machine, --plot A.json [B.json ...] --png OUT.png draws
+tables written by --json side by side (stacked wait / prep / loop / tail / end spread per kind).
 """
 import argparse
 import json
+import re
 import sys
 from collections import defaultdict
+from pathlib import Path
 
 import numpy as np
-
-from worker.engine import Engine, native
-from worker.model_file import open_model
 
 TAGS = {1: "direct", 2: "attn_decode"}
 
@@ -47,7 +49,7 @@ def launches(rec: np.ndarray) -> list[dict]:
     return out
 
 
-def summarize(L: dict, prev_end: int | None, ns_per_clock: float) -> dict:
+def summarize(L: dict, prev_end: int | None, ns_per_clock: float, outs: dict[int, int]) -> dict:
     r = L["rows"]
     g0, g4, g1 = r[:, 0].astype(np.int64), r[:, 1].astype(np.int64), r[:, 4].astype(np.int64)
     c1, c2 = (r[:, 2] & 0xFFFFFFFF).astype(np.int64), (r[:, 2] >> 32).astype(np.int64)
@@ -55,8 +57,9 @@ def summarize(L: dict, prev_end: int | None, ns_per_clock: float) -> dict:
     tag, key, grid = L["sig"]
     base = prev_end if prev_end is not None else int(g0.min())
     us = 1e-3
+    out = outs.setdefault(key & ((1 << 48) - 1), len(outs))  # outputs numbered as they first appear
     return {
-        "kind": f"{TAGS.get(tag, tag)} K={key >> 48} grid={grid & 0xFFFFFFFF}x{grid >> 32}",
+        "kind": f"{TAGS.get(tag, tag)} K={key >> 48} out#{out} grid={grid & 0xFFFFFFFF}x{grid >> 32}",
         "ctas": int(len(r)),
         "start": (int(g0.min()) - base) * us,
         "wait": (float(np.median(g1)) - base) * us,
@@ -70,13 +73,67 @@ def summarize(L: dict, prev_end: int | None, ns_per_clock: float) -> dict:
     }
 
 
+PHASES = ("wait", "prep", "loop", "tail", "end_spread")
+
+
+def plot(paths: list[str], png: str) -> None:
+    """Stacked phase bars per launch kind that runs in every layer, one bar per --json table."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tables = [json.load(open(p)) for p in paths]
+    # per-layer kinds only (the output head, once per forward, would dwarf them); tables of an
+    # older trace_decode.py have no out# in their kinds: then kinds match without it
+    bare = any("out#" not in k["kind"] for t in tables for k in t["kinds"])
+    for t in tables:
+        t["kinds"] = [dict(k, kind=re.sub(r" out#\d+", "", k["kind"]) if bare else k["kind"])
+                      for k in t["kinds"] if k["launches"] >= 2 * t["reps"]]
+    kinds = list(dict.fromkeys(k["kind"] for t in tables for k in t["kinds"]))
+    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(kinds)), 4.5))
+    width = 0.8 / len(tables)
+    colors = ("#4c72b0", "#dd8452", "#55a868", "#8172b3", "#c44e52")
+    for ti, t in enumerate(tables):
+        by = {k["kind"]: k for k in t["kinds"]}
+        for ki, kind in enumerate(kinds):
+            k, bottom = by.get(kind), 0.0
+            if k is None:
+                continue
+            for ph, col in zip(PHASES, colors):
+                ax.bar(ki + ti * width, k[ph], width * 0.95, bottom=bottom, color=col,
+                       label=ph if (ti, ki) == (0, 0) else None, alpha=1.0 - 0.35 * ti)
+                bottom += k[ph]
+            ax.text(ki + ti * width, bottom, f"{bottom:.1f}", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(kinds))])
+    ax.set_xticklabels([k.replace(" grid=", "\n") for k in kinds], fontsize=7)
+    ax.set_ylabel("us per launch (median)")
+    names = " | ".join(f"{Path(p).stem} (fwd {np.median(t['forward_us']):.0f} us)" for p, t in zip(paths, tables))
+    ax.set_title(f"decode launch phases, left to right: {names}", fontsize=8)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    print(f"wrote {png}")
+
+
 def main() -> None:
+    if "--plot" in sys.argv:
+        pp = argparse.ArgumentParser()
+        pp.add_argument("--plot", nargs="+", required=True)
+        pp.add_argument("--png", required=True)
+        a = pp.parse_args()
+        plot(a.plot, a.png)
+        return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model")
     ap.add_argument("--pos0", type=int, default=64)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--json", default="")
+    ap.add_argument("--raw", default="", help="also save the records (numpy .npy, [n, 8] uint64)")
     args = ap.parse_args()
+    from worker.engine import Engine, native
+    from worker.model_file import open_model
+
     g = getattr(native, "gpu_ops", None)
     if g is None:
         sys.exit("trace_decode: this native module has no GPU backend")
@@ -87,6 +144,8 @@ def main() -> None:
             sys.exit("trace_decode: not a SPECD_GPU_TRACE=1 build (cuda/trace.cuh)")
         secs = eng.bench_forward(1, args.pos0, args.reps)
         rec = g.trace_end()
+    if args.raw:
+        np.save(args.raw, rec)
     rec = rec[(rec[:, 7] >> 32) == 1]  # one row of x: the decode forwards (not the context fill)
     ls = launches(rec)
     # clock64 -> ns from the CTAs' own entry-exit intervals
@@ -99,9 +158,9 @@ def main() -> None:
     print(f"{len(rec)} records, {len(ls)} launches, {n_layers} layers, {args.reps} forwards; "
           f"clock {1 / ns_per_clock:.3f} GHz; smallest %globaltimer step {res[res > 0].min() if (res > 0).any() else 0} ns")
     per_fwd = len(ls) // args.reps
-    rows, prev = [], None
+    rows, prev, outs = [], None, {}
     for i, L in enumerate(ls):
-        s = summarize(L, prev if i % per_fwd else None, ns_per_clock)
+        s = summarize(L, prev if i % per_fwd else None, ns_per_clock, outs)
         s["index"] = i % per_fwd
         prev = s["end"]
         rows.append(s)
@@ -109,12 +168,12 @@ def main() -> None:
     for s in rows:
         by[s["kind"]].append(s)
     cols = ("ctas", "start", "wait", "prep", "loop", "tail", "span", "end_spread", "gap")
-    print(f"\n{'launch kind':44} {'n':>4} " + " ".join(f"{c:>10}" for c in cols))
+    print(f"\n{'launch kind':50} {'n':>4} " + " ".join(f"{c:>10}" for c in cols))
     table = []
     for kind, ss in by.items():
         med = {c: float(np.median([s[c] for s in ss])) for c in cols}
         table.append({"kind": kind, "launches": len(ss), **med})
-        print(f"{kind:44} {len(ss):4d} " + " ".join(f"{med[c]:10.2f}" for c in cols))
+        print(f"{kind:50} {len(ss):4d} " + " ".join(f"{med[c]:10.2f}" for c in cols))
     fwd_spans = []
     for f in range(args.reps):
         fl = [L for j, L in enumerate(ls) if j // per_fwd == f]
