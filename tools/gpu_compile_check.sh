@@ -47,7 +47,7 @@ if [[ "$what" == cuda || "$what" == all ]]; then
   t0=$SECONDS
   pids=()
   mkdir -p build/check-cuda
-  for f in device.cu matvec_kq.cu matvec_f16.cu attention.cu; do
+  for f in device.cu matvec_kq.cu matvec_kq_mma.cu matvec_f16.cu attention.cu; do
     nvcc -std=c++17 --expt-relaxed-constexpr -O3 -arch=sm_90a -Iworker/kernels -Iworker -DSPECD_WITH_GPU=1 \
       -DSPECD_GPU_TRACE=1 -c "worker/kernels/cuda/$f" -o "build/check-cuda/trace-${f%.cu}.o" &
     pids+=($!)

@@ -4,11 +4,13 @@ run on the GPU machine, with a SPECD_GPU_TRACE=1 build, cuda/trace.cuh).
     CUDAFLAGS=-DSPECD_GPU_TRACE=1 SPECD_BACKEND=cuda tools/dev_build.sh trace
     SPECD_NATIVE_DIR=build/dev-trace python3 tools/device/trace_decode.py MODEL.gguf [--pos0 64] [--reps 7]
 
-Runs `reps` one-position forwards after pos0 positions (Engine.bench_forward, the step
-bench_gpu.py times) with the traced kernels (the direct matrix-vector readers and the decode
-attention) writing each CTA's phase marks, then prints per launch kind (a kernel with its K,
-its output buffer, out#, numbered as they first appear, and its grid: e.g. every layer's wo)
-the medians over layers and replays, in microseconds:
+Runs `reps` forwards of n positions (default 1: a decode step; 16: a speculative verify) after
+pos0 positions (Engine.bench_forward, what bench_gpu.py times; the context fill's launches are
+left out) with the traced kernels (the direct matrix-vector readers, the int8 MMA verify
+readers and their x-digits kernel, the decode and chunked attention) writing each CTA's marks,
+then prints per launch kind (a kernel with its K, its output buffer, out#, numbered as they
+first appear, and its grid: e.g. every layer's wo) the medians over layers and replays, in
+microseconds:
 
   start   first CTA's entry, from the previous traced launch's last exit (negative: it was
           resident early, programmatic dependent launch)
@@ -31,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-TAGS = {1: "direct", 2: "attn_decode"}
+TAGS = {1: "direct", 2: "attn_decode", 3: "kq_digits", 4: "kq_mma", 5: "attn_chunk"}
 
 
 def launches(rec: np.ndarray) -> list[dict]:
@@ -47,6 +49,16 @@ def launches(rec: np.ndarray) -> list[dict]:
     for L in out:
         L["rows"] = np.array(L["rows"])
     return out
+
+
+def forward_launches(one: np.ndarray, rec: np.ndarray, reps: int) -> tuple[list[dict], int]:
+    """The launches of the `reps` forwards in rec (records of the context fill and then reps
+    forwards; one: those of the fill and one forward), and how many launches a forward has."""
+    n_one, ls = len(launches(one)), launches(rec)
+    per_fwd = (len(ls) - n_one) // (reps - 1)
+    if per_fwd <= 0 or per_fwd * reps > len(ls):
+        raise SystemExit(f"trace_decode: {len(ls)} launches for fill + {reps} forwards, {n_one} for fill + 1")
+    return ls[len(ls) - per_fwd * reps:], per_fwd
 
 
 def summarize(L: dict, prev_end: int | None, ns_per_clock: float, outs: dict[int, int]) -> dict:
@@ -127,7 +139,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model")
     ap.add_argument("--pos0", type=int, default=64)
-    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--n", type=int, default=1, help="positions per forward (16: a speculative verify of 16)")
+    ap.add_argument("--reps", type=int, default=7, help="forwards traced (at least 2)")
     ap.add_argument("--json", default="")
     ap.add_argument("--raw", default="", help="also save the records (numpy .npy, [n, 8] uint64)")
     args = ap.parse_args()
@@ -137,17 +150,19 @@ def main() -> None:
     g = getattr(native, "gpu_ops", None)
     if g is None:
         sys.exit("trace_decode: this native module has no GPU backend")
-    with Engine(open_model(args.model), device="cuda:0", n_ctx=max(256, args.pos0 + 8)) as eng:
+    with Engine(open_model(args.model), device="cuda:0", n_ctx=max(256, args.pos0 + args.n + 8)) as eng:
         n_layers = eng.model.config.n_layers
-        eng.bench_forward(1, args.pos0, 3)  # captures the graph, warms up
-        if not g.trace_begin(1 << 20):
+        eng.bench_forward(args.n, args.pos0, 3)  # captures the graph, warms up
+        if not g.trace_begin(1 << 21):
             sys.exit("trace_decode: not a SPECD_GPU_TRACE=1 build (cuda/trace.cuh)")
-        secs = eng.bench_forward(1, args.pos0, args.reps)
+        eng.bench_forward(args.n, args.pos0, 1)  # the context fill and one forward: the fill's launches
+        one = g.trace_end()
+        g.trace_begin(1 << 21)
+        secs = eng.bench_forward(args.n, args.pos0, args.reps)
         rec = g.trace_end()
     if args.raw:
         np.save(args.raw, rec)
-    rec = rec[(rec[:, 7] >> 32) == 1]  # one row of x: the decode forwards (not the context fill)
-    ls = launches(rec)
+    ls, per_fwd = forward_launches(one, rec, args.reps)
     # clock64 -> ns from the CTAs' own entry-exit intervals
     allr = np.concatenate([L["rows"] for L in ls])
     c4 = (allr[:, 3] >> 32).astype(np.float64)
@@ -155,9 +170,9 @@ def main() -> None:
     ok = c4 > 2000
     ns_per_clock = float(np.median(dt[ok] / c4[ok])) if ok.any() else 1 / 1.98
     res = np.unique(np.diff(np.unique(allr[:, 0].astype(np.int64))))
-    print(f"{len(rec)} records, {len(ls)} launches, {n_layers} layers, {args.reps} forwards; "
-          f"clock {1 / ns_per_clock:.3f} GHz; smallest %globaltimer step {res[res > 0].min() if (res > 0).any() else 0} ns")
-    per_fwd = len(ls) // args.reps
+    step = res[res > 0].min() if (res > 0).any() else 0
+    print(f"{len(rec)} records, {len(ls)} launches of {args.reps} forwards of {args.n} position(s), "
+          f"{n_layers} layers; clock {1 / ns_per_clock:.3f} GHz; smallest %globaltimer step {step} ns")
     rows, prev, outs = [], None, {}
     for i, L in enumerate(ls):
         s = summarize(L, prev if i % per_fwd else None, ns_per_clock, outs)
@@ -183,8 +198,9 @@ def main() -> None:
           f"last exit median {np.median(fwd_spans):.1f} us; per layer {np.median(fwd_spans) / n_layers:.2f} us")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"model": args.model, "pos0": args.pos0, "reps": args.reps, "forward_us": [x * 1e6 for x in secs],
-                       "traced_span_us": fwd_spans, "kinds": table}, fh, indent=1)
+            json.dump({"model": args.model, "pos0": args.pos0, "n": args.n, "reps": args.reps,
+                       "forward_us": [x * 1e6 for x in secs], "traced_span_us": fwd_spans, "kinds": table},
+                      fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -410,9 +410,12 @@ __global__ void __launch_bounds__(kAttnThreads, C::MINB) attn_chunk_kernel(const
   // older than this forward) are loaded before the wait, overlapping the QKV product's end.
   const bool fuse = P.fuse != 0;
   bool waited = !fuse;
+  SPECD_TRACE_DECL;
+  SPECD_TRACE_MARK(0);
   if (waited) {
     gpu_grid_wait();
     gpu_grid_launch_dependents();
+    SPECD_TRACE_MARK(1);
   }
   extern __shared__ float4 smem4[];
   float* smem = reinterpret_cast<float*>(smem4);
@@ -453,6 +456,7 @@ __global__ void __launch_bounds__(kAttnThreads, C::MINB) attn_chunk_kernel(const
     if (!waited) {
       gpu_grid_wait();
       gpu_grid_launch_dependents();
+      SPECD_TRACE_MARK(1);
       waited = true;
     }
     __syncthreads();  // the previous item is done with shared memory
@@ -567,6 +571,9 @@ __global__ void __launch_bounds__(kAttnThreads, C::MINB) attn_chunk_kernel(const
       }
     }
   }
+  SPECD_TRACE_MARK(2);
+  SPECD_TRACE_MARK(3);
+  if (waited) SPECD_TRACE_RECORD(kTraceAttnChunk, (unsigned long long)(uintptr_t)P.out);  // (uniform)
 }
 
 // Combines the partials of launch-local query r, head h, when it has more than one chunk; all

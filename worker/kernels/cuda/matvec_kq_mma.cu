@@ -41,6 +41,7 @@
 #include "cuda/linear_params.cuh"
 #include "cuda/mma.cuh"
 #include "cuda/quants.cuh"
+#include "cuda/trace.cuh"
 
 namespace specd {
 namespace gpu {
@@ -380,8 +381,11 @@ struct Mq<GgmlType::Q8_0, MT> {
 template <int NX>
 __global__ void __launch_bounds__(kThreads) digits_kernel(const MmaParams p) {
   __shared__ float red[kGroup];
+  SPECD_TRACE_DECL;
+  SPECD_TRACE_MARK(0);
   gpu_grid_wait();
   gpu_grid_launch_dependents();
+  SPECD_TRACE_MARK(1);
   constexpr int C = 4;  // units in flight
   const int64_t K = p.K;
   const int units = (int)(K / 4), r = (int)blockIdx.x % NX;
@@ -418,6 +422,9 @@ __global__ void __launch_bounds__(kThreads) digits_kernel(const MmaParams p) {
   } else if (threadIdx.x == 0) {
     p.inv[blockIdx.x] = 1.f;
   }
+  SPECD_TRACE_MARK(2);
+  SPECD_TRACE_MARK(3);
+  SPECD_TRACE_RECORD(kTraceKqDigits, (unsigned long long)(uintptr_t)p.img ^ (unsigned long long)K << 48);
 }
 
 // G: x's image stays in global memory (read through the L1 cache; for K whose image does not
@@ -452,10 +459,13 @@ __global__ void __launch_bounds__(kThreads, 1) kq_mma_kernel(const MmaParams p) 
     }
   };
   typename R::Chunk cur, nxt;
+  SPECD_TRACE_DECL;
+  SPECD_TRACE_MARK(0);
   fetch(cur);
 
   gpu_grid_wait();
   gpu_grid_launch_dependents();
+  SPECD_TRACE_MARK(1);
   if (!G) {  // the tile's image of x (digits_kernel) into shared memory
     for (int64_t off = 16 * (int64_t)threadIdx.x; off < p.img_bytes; off += 16 * kThreads) cp_async16_all(smem + off, img + off);
     cp_async_commit();
@@ -463,6 +473,7 @@ __global__ void __launch_bounds__(kThreads, 1) kq_mma_kernel(const MmaParams p) 
   if (threadIdx.x < NX) inv[threadIdx.x] = p.inv[min(row0 + (int64_t)threadIdx.x, p.n - 1)];
   if (!G) cp_async_wait<0>();
   __syncthreads();  // digits, meta and inv[] are visible
+  SPECD_TRACE_MARK(2);
 
   for (int tile = blockIdx.x; tile < n_tiles; tile += grid) {
     float acc[4][MT][NT][4];  // [class q: chunk c = warp + 8 j, j % 4 = q][m-tile][n-tile][D element]
@@ -528,6 +539,9 @@ __global__ void __launch_bounds__(kThreads, 1) kq_mma_kernel(const MmaParams p) 
     }
     __syncthreads();  // part[] is free for the next tile
   }
+  SPECD_TRACE_MARK(3);
+  SPECD_TRACE_RECORD(kTraceKqMma, (unsigned long long)(uintptr_t)p.y ^ (unsigned long long)K << 48 ^
+                                      (unsigned long long)T << 40);  // (a QKV's Q4_K and Q6_K launches apart)
 #endif
 }
 

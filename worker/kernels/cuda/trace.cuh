@@ -12,7 +12,9 @@
 //   2: clock64 mark 1 - entry, mark 2 - entry (32 bits each, low first)
 //   3: clock64 mark 3 - entry, exit - entry   6: key (the launch's output pointer ^ K << 48)
 //   7: gridDim.x | gridDim.y << 32
-// Records of one launch share (tag, key, grid); tools/device/trace_decode.py reads them.
+// Records of one launch share (tag, key, grid); tools/device/trace_decode.py reads them. A
+// kernel with no x preparation or loop of its own sets marks 2 and 3 where it ends; a CTA
+// that returns early (an attention CTA with no live item) writes no record.
 #pragma once
 #include <cstdint>
 
@@ -34,7 +36,13 @@ struct TraceBuf {
 // Registers a translation unit's setter of its TraceBuf (device.cu); trace_begin/end call them all.
 void trace_register(void (*set)(const TraceBuf&));
 
-enum TraceTag : unsigned { kTraceDirect = 1, kTraceAttnDecode = 2 };
+enum TraceTag : unsigned {  // (tools/device/trace_decode.py names them)
+  kTraceDirect = 1,      // matvec_direct.cuh direct_kernel
+  kTraceAttnDecode = 2,  // attention.cu attn_decode_kernel
+  kTraceKqDigits = 3,    // matvec_kq_mma.cu digits_kernel (marks 2, 3: its end)
+  kTraceKqMma = 4,       // matvec_kq_mma.cu kq_mma_kernel
+  kTraceAttnChunk = 5,   // attention.cu attn_chunk_kernel (marks 2, 3: its end)
+};
 
 #if SPECD_GPU_TRACE && !SPECD_HIP
 namespace {
