@@ -3,8 +3,9 @@
 #   - SPECD_BACKEND=cuda for sm_75, sm_90a and sm_120 + PTX (every architecture-dependent
 #     branch; ALL_ARCHS=1: the list of docker/worker-cuda12.Dockerfile), with the nvcc on PATH
 #     or in /usr/local/cuda;
-#   - SPECD_BACKEND=hip with hipcc (Debian's ROCm 5 packages, HIP_PLATFORM=amd) for a gfx
-#     target that compiler knows (gfx90a; the rocm image builds its full list with ROCm 6).
+#   - SPECD_BACKEND=hip with hipcc (Debian's ROCm 5 packages, HIP_PLATFORM=amd) for gfx
+#     targets that compiler knows: gfx90a (CDNA, 64-lane waves) and gfx1030 (RDNA2, 32-lane
+#     waves: the consumer cards' wave size; the rocm image builds its full list with ROCm 6).
 # Usage: tools/gpu_compile_check.sh [cuda|hip|all]   (default all). Needs the Python env with
 # pybind11 (the .venv of .ci/run). Fails on any compiler error.
 set -euo pipefail
@@ -59,5 +60,5 @@ fi
 if [[ "$what" == hip || "$what" == all ]]; then
   command -v hipcc >/dev/null || { echo "gpu_compile_check: no hipcc (apt-get install hipcc libamdhip64-dev)"; exit 1; }
   export HIP_PLATFORM=amd HCC_AMDGPU_TARGET=gfx90a  # no GPU here: name the target (no probing)
-  build hip hip -DSPECD_HIP_ARCHITECTURES=gfx90a
+  build hip hip "-DSPECD_HIP_ARCHITECTURES=gfx90a;gfx1030"
 fi
