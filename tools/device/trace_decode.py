@@ -176,7 +176,6 @@ def main() -> None:
     rows, prev, outs = [], None, {}
     for i, L in enumerate(ls):
         s = summarize(L, prev if i % per_fwd else None, ns_per_clock, outs)
-        s["index"] = i % per_fwd
         prev = s["end"]
         rows.append(s)
     by = defaultdict(list)
@@ -189,11 +188,10 @@ def main() -> None:
         med = {c: float(np.median([s[c] for s in ss])) for c in cols}
         table.append({"kind": kind, "launches": len(ss), **med})
         print(f"{kind:50} {len(ss):4d} " + " ".join(f"{med[c]:10.2f}" for c in cols))
-    fwd_spans = []
+    fwd_spans = []  # each forward's first traced entry -> last traced exit
     for f in range(args.reps):
-        fl = [L for j, L in enumerate(ls) if j // per_fwd == f]
-        if fl:
-            fwd_spans.append((int(max(int(L["rows"][:, 1].max()) for L in fl)) - int(fl[0]["rows"][:, 0].min())) * 1e-3)
+        fl = ls[f * per_fwd:(f + 1) * per_fwd]
+        fwd_spans.append((max(int(L["rows"][:, 1].max()) for L in fl) - int(fl[0]["rows"][:, 0].min())) * 1e-3)
     print(f"\nforward (bench_forward) median {np.median(secs) * 1e6:.1f} us; traced launches first entry -> "
           f"last exit median {np.median(fwd_spans):.1f} us; per layer {np.median(fwd_spans) / n_layers:.2f} us")
     if args.json:

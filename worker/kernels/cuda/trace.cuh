@@ -10,7 +10,8 @@
 //   0: %globaltimer at entry (ns)         4: %globaltimer after the wait (ns)
 //   1: %globaltimer at exit (ns)          5: tag << 56 | smid << 40 | blockIdx.x
 //   2: clock64 mark 1 - entry, mark 2 - entry (32 bits each, low first)
-//   3: clock64 mark 3 - entry, exit - entry   6: key (the launch's output pointer ^ K << 48)
+//   3: clock64 mark 3 - entry, exit - entry   6: key (the launch's output pointer ^ K << 48;
+//                                                  kq_mma_kernel also ^ its weight type << 40)
 //   7: gridDim.x | gridDim.y << 32
 // Records of one launch share (tag, key, grid); tools/device/trace_decode.py reads them. A
 // kernel with no x preparation or loop of its own sets marks 2 and 3 where it ends; a CTA
