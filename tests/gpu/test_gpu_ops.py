@@ -531,7 +531,7 @@ def test_rope_attention_equals_rope_kv_then_attention(rng, dtype, mode, nh, nkv,
 
 
 @pytest.mark.parametrize("variant", ["SPECD_GPU_FOLD=0", "SPECD_GPU_DEC_BUFS=4", "SPECD_GPU_DEC_BUFS=5",
-                                     "SPECD_GPU_DEC_ATTN=0"])
+                                     "SPECD_GPU_DEC_ATTN=0", "SPECD_GPU_ATTN_SPREAD=0"])
 def test_attention_variants_give_the_same_bits(rng, tmp_path, variant):
     # The launch variants compute the same maths in the same order, so the same BITS, decode and
     # verify, fp16 and float caches:
@@ -540,14 +540,18 @@ def test_attention_variants_give_the_same_bits(rng, tmp_path, variant):
     # - SPECD_GPU_DEC_BUFS=4/5: the decode kernel's ring of K/V sub-tiles too small for a chunk,
     #   refilled as it is consumed (as on ~100 KiB shared-memory devices), instead of copied
     #   whole before the grid wait;
-    # - SPECD_GPU_DEC_ATTN=0: decode (one query) on the general kernel.
+    # - SPECD_GPU_DEC_ATTN=0: decode (one query) on the general kernel;
+    # - SPECD_GPU_ATTN_SPREAD=0: a verify's rows over a short context in tiles of 32 rows (Big)
+    #   instead of the 8-row tiles (Dec) that keep more multiprocessors busy.
     cases = []
     for dtype, n, pos0, nh, nkv, hd in [(np.float16, 1, 700, 32, 8, 128), (np.float32, 5, 1000, 14, 2, 64),
                                          (np.float16, 17, 250, 16, 8, 128), (np.float16, 3, 5000, 8, 2, 256),
                                          (np.float16, 1, 0, 16, 8, 128), (np.float16, 1, 64, 16, 8, 128),
                                          (np.float16, 1, 127, 32, 8, 128), (np.float16, 1, 128, 14, 2, 64),
                                          (np.float32, 1, 255, 8, 2, 128), (np.float16, 1, 256, 8, 2, 80),
-                                         (np.float32, 1, 3000, 4, 1, 256), (np.float16, 1, 5000, 28, 4, 128)]:
+                                         (np.float32, 1, 3000, 4, 1, 256), (np.float16, 1, 5000, 28, 4, 128),
+                                         (np.float16, 16, 64, 32, 8, 128), (np.float32, 16, 64, 16, 8, 128),
+                                         (np.float16, 16, 2000, 32, 8, 128)]:
         q, k, v = attention_inputs(rng, n, pos0, nh, nkv, hd, dtype)
         cases.append((q, k, v, pos0, nh, nkv, hd))
         np.savez(tmp_path / f"case{len(cases)}.npz", q=q, k=k, v=v, meta=np.array([pos0, nh, nkv, hd]))

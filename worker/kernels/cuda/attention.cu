@@ -1123,11 +1123,18 @@ size_t launch_cfg(AttnParams P, int64_t rows, gpuStream_t s) {
 }
 
 // The first block shape that fits the device's shared memory: Dec (few rows: decode and
-// short verify; long sub-tiles), Big (sm_80+), Small (sm_75 and AMD: 64 KiB).
+// short verify; long sub-tiles), Big (sm_80+), Small (sm_75 and AMD: 64 KiB). Dec also takes
+// more rows where Big's items of a chunk would leave most multiprocessors idle (a verify over
+// a short context: 16 queries of Qwen3-8B are 64 rows per KV head, 2 items per KV head and
+// chunk in Big, 8 in Dec; the live chunks are known on the device only);
+// SPECD_GPU_ATTN_SPREAD=0: never (benchmarks). The shapes give the same bits.
 template <class Dec, class Big, class Small, class KvT>
 size_t launch_hd(const AttnParams& P, int64_t rows, gpuStream_t s) {
+  static const bool spread = env_value("SPECD_GPU_ATTN_SPREAD") != "0";
   const size_t smem = dev_limits().smem_per_block;
-  if (rows <= Dec::RMAX && Dec::kSmemBytes <= smem) return launch_cfg<Dec, KvT>(P, rows, s);
+  const int64_t big_items = (int64_t)P.n_kv * ceil_div(rows, (int64_t)Big::RMAX);  // per chunk
+  const bool few = spread && 2 * big_items <= dev_limits().sms;
+  if ((rows <= Dec::RMAX || few) && Dec::kSmemBytes <= smem) return launch_cfg<Dec, KvT>(P, rows, s);
   if (Big::kSmemBytes <= smem) return launch_cfg<Big, KvT>(P, rows, s);
   return launch_cfg<Small, KvT>(P, rows, s);
 }

@@ -20,7 +20,8 @@
 // Work: a tile = 16 MT weight rows (MT m-tiles of 16; SwiGLU: 8 MT gate rows over the same up
 // rows) times NX = 8 NT rows of x (n-tiles of 8); the 8 warps of a persistent CTA take the
 // tile's 8 quads, each loading its chunks' bytes straight from global memory one chunk ahead
-// (the stream runs on into the CTA's next tile), and meet in shared memory at the tile's end.
+// (Q8_0: three; the stream runs on into the CTA's next tile), and meet in shared memory at the
+// tile's end.
 // x is turned into digits once per call (digits_kernel: one CTA per row, into the workspace:
 // 3 bytes per element plus a grid step and a sum per 32-element block, laid out as the CTAs'
 // shared memory wants it); each CTA copies its NX rows' image into shared memory (NX (3.25 K +
@@ -193,6 +194,9 @@ struct Mq;
 // next) and the 16-byte header of each of its rows.
 template <int MT>
 struct Mq<GgmlType::Q4_K, MT> {
+  // 2: a ring of 4 (the header shared by shuffles, to fit the registers) made the 8B's verify
+  // slower on the H200 (8.6-9.0 against 8.1 ms for 16 rows; results/gpu_nvidia-h200_20261203.md)
+  static constexpr int kDepth = 2;
   struct Chunk {
     uint2 q[MT][2];
     uint4 h[MT][2];
@@ -251,6 +255,7 @@ struct Mq<GgmlType::Q4_K, MT> {
 // the half (3 words) and d.
 template <int MT>
 struct Mq<GgmlType::Q6_K, MT> {
+  static constexpr int kDepth = 2;  // (a ring of 4 spills at MT = 2: 40 registers a chunk)
   struct Chunk {
     uint32_t f[MT][2][3][2];  // [m-tile][row][field][word]
     uint32_t sc[MT][2][3];
@@ -317,11 +322,12 @@ struct Mq<GgmlType::Q6_K, MT> {
 
 // Q8_0 chunk c = blocks 2c, 2c + 1 (68 bytes from 68c, 4-byte aligned): the lane reads qs
 // bytes 8t .. 8t + 7 of each block (block 2c's 2 bytes past a word: three words, shifted) and
-// the words holding the two scales.
+// lanes t = 0, 1 the words holding the scales of blocks 2c, 2c + 1 (shared by shuffles in step).
 template <int MT>
 struct Mq<GgmlType::Q8_0, MT> {
+  static constexpr int kDepth = 4;  // (0.6B Q8_0, 16 rows on the H200: ~0.1 of 1.9 ms faster than 2)
   struct Chunk {
-    uint32_t w[MT][2][7];  // block 2c: 3 words; block 2c + 1: 2 words; the words of d0, d1
+    uint32_t w[MT][2][6];  // block 2c: 3 words; block 2c + 1: 2 words; lane t < 2: the word of d_t
   };
   __device__ static void load(const uint8_t* const (&rows)[MT][2], int c, int t, Chunk& ch) {
 #pragma unroll
@@ -335,8 +341,7 @@ struct Mq<GgmlType::Q8_0, MT> {
         w[2] = __ldg(a + 2 * t + 2);
         w[3] = __ldg(a + 9 + 2 * t);
         w[4] = __ldg(a + 10 + 2 * t);
-        w[5] = __ldg(a);
-        w[6] = __ldg(a + 8);
+        w[5] = __ldg(a + 8 * (t & 1));
       }
   }
   template <int NT, bool G>
@@ -355,7 +360,8 @@ struct Mq<GgmlType::Q8_0, MT> {
           const uint32_t* w = ch.w[mt][r];
           q[r][0] = run ? w[3] : __funnelshift_r(w[0], w[1], 16);
           q[r][1] = run ? w[4] : __funnelshift_r(w[1], w[2], 16);
-          d[mt][r] = run ? f16_bits(w[6] >> 16) : f16_bits(w[5] & 0xFFFF);
+          const uint32_t dw = __shfl_sync(0xFFFFFFFFu, w[5], run, 4);
+          d[mt][r] = run ? f16_bits(dw >> 16) : f16_bits(dw & 0xFFFF);
         }
         a[mt][0] = q[0][0];
         a[mt][1] = q[1][0];
@@ -445,23 +451,37 @@ __global__ void __launch_bounds__(kThreads, 1) kq_mma_kernel(const MmaParams p) 
   const int nc = p.nc, n_tiles = p.n_tiles, grid = (int)gridDim.x;
   const int nj = warp < nc ? (nc - warp + kWarps - 1) / kWarps : 0;  // this quad's chunks per tile
 
-  // the load stream: chunk c = warp + 8 l_j of tile l_tile
+  // The load stream: slot l_j of tile l_tile holds chunk c = warp + 8 l_j (l_j < nj). kDepth
+  // 2: each step first loads the next chunk. kDepth 4: a ring of 4 chunks, 3 in flight while a
+  // step reads one (each step first refills the buffer the step before it read); the slots up
+  // to nj4 = nj rounded up to a multiple of 4 are empty, so that a slot's buffer is its class
+  // q = l_j % 4 and every index is a constant.
+  constexpr int PD = R::kDepth;
+  static_assert(PD == 2 || PD == 4, "kDepth: 2 or 4");
+  const int nj4 = PD == 2 ? nj : (nj + 3) & ~3;
   int l_tile = blockIdx.x, l_j = 0;
   const uint8_t* lrows[MT][2];
   if (l_tile < n_tiles) lane_rows<MT>(p, l_tile, g, lrows);
   auto fetch = [&](typename R::Chunk& dst) {
     if (l_tile >= n_tiles || nj == 0) return;
-    R::load(lrows, warp + kWarps * l_j, t, dst);
-    if (++l_j == nj) {
+    if (PD == 2 || l_j < nj) R::load(lrows, warp + kWarps * l_j, t, dst);
+    if (++l_j == nj4) {
       l_j = 0;
       l_tile += grid;
       if (l_tile < n_tiles) lane_rows<MT>(p, l_tile, g, lrows);
     }
   };
-  typename R::Chunk cur, nxt;
+  typename R::Chunk cur, nxt;                // kDepth 2: the chunk a step reads and the next
+  typename R::Chunk ring[PD == 4 ? 4 : 1];  // kDepth 4: slot l_j in ring[l_j % 4]
   SPECD_TRACE_DECL;
   SPECD_TRACE_MARK(0);
-  fetch(cur);
+  if constexpr (PD == 2) {
+    fetch(cur);
+  } else {
+    fetch(ring[0]);
+    fetch(ring[1]);
+    fetch(ring[2]);
+  }
 
   gpu_grid_wait();
   gpu_grid_launch_dependents();
@@ -488,10 +508,15 @@ __global__ void __launch_bounds__(kThreads, 1) kq_mma_kernel(const MmaParams p) 
     for (int j0 = 0; j0 < nj; j0 += 4) {
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
-        if (j0 + q < nj) {  // (uniform over the warp)
-          fetch(nxt);
-          R::template step<NT, G>(cur, warp + kWarps * (j0 + q), dig, meta, K, g, t, acc[q]);
-          cur = nxt;
+        if constexpr (PD == 2) {
+          if (j0 + q < nj) {  // (uniform over the warp)
+            fetch(nxt);
+            R::template step<NT, G>(cur, warp + kWarps * (j0 + q), dig, meta, K, g, t, acc[q]);
+            cur = nxt;
+          }
+        } else {
+          fetch(ring[(q + 3) % 4]);  // (uniform over the warp, both)
+          if (j0 + q < nj) R::template step<NT, G>(ring[q], warp + kWarps * (j0 + q), dig, meta, K, g, t, acc[q]);
         }
       }
     }
