@@ -1,12 +1,14 @@
-"""Decode step time against position, per environment variant (tools/device: the GPU machine).
+"""Decode step (or verify) time against position, per environment variant (tools/device: the
+GPU machine).
 
-    python3 tools/device/pos_sweep.py OUT.json MODEL.gguf [MODEL.gguf ...] -- "" "SPECD_GPU_DEC_ATTN=0" ...
+    python3 tools/device/pos_sweep.py [--n N] OUT.json MODEL.gguf [MODEL.gguf ...] -- "" "SPECD_GPU_DEC_ATTN=0" ...
 
 For each model and each variant ("VAR=VALUE;VAR=VALUE", "" for the defaults; each in its own
 process, since the kernels read the environment once), opens the model on cuda:0 with n_ctx
-4200 and times Engine.bench_forward(1, pos, 40) (one decode forward after `pos` positions) for
-pos in 64, 128, 192, 300, 1000 and 4000: the best of 5 medians, in microseconds. Prints a line per model
-and variant and writes them all to OUT.json.
+4200 and times Engine.bench_forward(n, pos, 40) (one forward of n positions after `pos`: n = 1, the
+default, a decode step; n = 16 a speculative verify) for pos in 64, 128, 192, 300, 1000 and 4000:
+the best of 5 medians, in microseconds. Prints a line per model and variant and writes them all
+to OUT.json. A variant may point SPECD_NATIVE_DIR at another build (tools/device/build_base.sh).
 """
 import json
 import os
@@ -17,29 +19,34 @@ import sys
 POSITIONS = [64, 128, 192, 300, 1000, 4000]
 
 
-def child(path: str) -> None:
+def child(path: str, n: int) -> None:
     from worker.engine import Engine
     from worker.model_file import open_model
 
     res = {}
     with Engine(open_model(path), device="cuda:0", n_ctx=4200) as eng:
         for p in POSITIONS:
-            res[p] = min(statistics.median(eng.bench_forward(1, p, 40)) for _ in range(5)) * 1e6
+            res[p] = min(statistics.median(eng.bench_forward(n, p, 40)) for _ in range(5)) * 1e6
     print("RESULT", json.dumps(res), flush=True)
 
 
 def main() -> None:
     if sys.argv[1] == "--child":
-        child(sys.argv[2])
+        child(sys.argv[2], int(sys.argv[3]))
         return
-    out, split = sys.argv[1], sys.argv.index("--")
-    models, variants = sys.argv[2:split], sys.argv[split + 1 :]
+    args, n = sys.argv[1:], 1
+    if args[0] == "--n":
+        n, args = int(args[1]), args[2:]
+    if not 1 <= n <= 4200 - 8 - max(POSITIONS):
+        sys.exit(f"pos_sweep: --n {n} does not fit the context of 4200 after position {max(POSITIONS)}")
+    out, split = args[0], args.index("--")
+    models, variants = args[1:split], args[split + 1 :]
     results = {}
     for m in models:
         for v in variants:
             env = dict(os.environ)
             env.update(kv.split("=", 1) for kv in v.split(";") if kv)
-            r = subprocess.run([sys.executable, __file__, "--child", m], env=env, capture_output=True, text=True,
+            r = subprocess.run([sys.executable, __file__, "--child", m, str(n)], env=env, capture_output=True, text=True,
                                timeout=200)
             line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
             res = json.loads(line[0][7:]) if line else {"error": r.stderr[-800:]}
@@ -47,7 +54,8 @@ def main() -> None:
             cells = " ".join(f"{p}:{x:.1f}" if isinstance(x, float) else f"{p}:{x}" for p, x in res.items())
             print(os.path.basename(m), v or "default", cells, flush=True)
     with open(out, "w") as f:
-        json.dump({"command": " ".join(sys.argv), "unit": "us per decode step", "results": results}, f, indent=1)
+        json.dump({"command": " ".join(sys.argv), "unit": f"us per forward of {n} position(s)", "n": n,
+                   "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":
