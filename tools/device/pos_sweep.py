@@ -17,6 +17,7 @@ import subprocess
 import sys
 
 POSITIONS = [64, 128, 192, 300, 1000, 4000]
+N_CTX = 4200  # the engine's context: the last position plus a verify's rows
 
 
 def child(path: str, n: int) -> None:
@@ -24,7 +25,7 @@ def child(path: str, n: int) -> None:
     from worker.model_file import open_model
 
     res = {}
-    with Engine(open_model(path), device="cuda:0", n_ctx=4200) as eng:
+    with Engine(open_model(path), device="cuda:0", n_ctx=N_CTX) as eng:
         for p in POSITIONS:
             res[p] = min(statistics.median(eng.bench_forward(n, p, 40)) for _ in range(5)) * 1e6
     print("RESULT", json.dumps(res), flush=True)
@@ -37,8 +38,8 @@ def main() -> None:
     args, n = sys.argv[1:], 1
     if args[0] == "--n":
         n, args = int(args[1]), args[2:]
-    if not 1 <= n <= 4200 - 8 - max(POSITIONS):
-        sys.exit(f"pos_sweep: --n {n} does not fit the context of 4200 after position {max(POSITIONS)}")
+    if not 1 <= n <= N_CTX - 8 - max(POSITIONS):
+        sys.exit(f"pos_sweep: --n {n} does not fit the context of {N_CTX} after position {max(POSITIONS)}")
     out, split = args[0], args.index("--")
     models, variants = args[1:split], args[split + 1 :]
     results = {}

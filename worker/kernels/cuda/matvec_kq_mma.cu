@@ -195,7 +195,7 @@ struct Mq;
 template <int MT>
 struct Mq<GgmlType::Q4_K, MT> {
   // 2: a ring of 4 (the header shared by shuffles, to fit the registers) made the 8B's verify
-  // slower on the H200 (8.6-9.0 against 8.1 ms for 16 rows; results/gpu_nvidia-h200_20261203.md)
+  // slower on the H200 (8.6-9.0 against 8.1 ms for 16 rows; bench/results/..._20261203_verify.md)
   static constexpr int kDepth = 2;
   struct Chunk {
     uint2 q[MT][2];
@@ -471,6 +471,8 @@ __global__ void __launch_bounds__(kThreads, 1) kq_mma_kernel(const MmaParams p) 
       if (l_tile < n_tiles) lane_rows<MT>(p, l_tile, g, lrows);
     }
   };
+  // (kDepth 2 keeps two named chunks, not a ring of 2: written as an array, the same loads gave
+  // other code and an 8B verify 9 % slower on the H200)
   typename R::Chunk cur, nxt;                // kDepth 2: the chunk a step reads and the next
   typename R::Chunk ring[PD == 4 ? 4 : 1];  // kDepth 4: slot l_j in ring[l_j % 4]
   SPECD_TRACE_DECL;
