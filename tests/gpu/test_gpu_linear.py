@@ -582,6 +582,35 @@ def test_mma_rows_equal_direct_rows(case: str, rng: np.random.Generator) -> None
                                       swiglu_alone[lo:hi].view(np.uint32), "swiglu " + what)
 
 
+# Tiles of 32 weight rows of the K-quants run in 16 warps per CTA (one m-tile each);
+# SPECD_GPU_MMA_WARPS=8 keeps 8 warps (two m-tiles each), "16" takes 16 for Q8_0 too. Every
+# layout gives the same bits, with x's image in shared memory or read through L1 (K = 12288).
+# The shapes take tiles of 32 rows on a 132-SM H200 (the rule in kq_mma_linear: 128 and 256
+# tiles of 32 rows, ~1 and 2 rounds).
+def test_mma_warp_layouts_give_the_same_bits(rng: np.random.Generator, tmp_path) -> None:
+    calls = []
+    for qtype, n_in, n_out in ((T.Q4_K, 4096, 4096), (T.Q6_K, 2048, 4096), (T.Q8_0, 1024, 8192),
+                               (T.Q6_K, 12288, 4096), (T.Q8_0, 12288, 4096)):
+        w0, w1 = (random_weight(rng, qtype, n_out // 2, n_in) for _ in range(2))
+        w = random_weight(rng, qtype, n_out, n_in)
+        x = rng.standard_normal((33, n_in), dtype=np.float32) / np.sqrt(n_in)
+        norm_w = rng.uniform(0.5, 1.5, n_in).astype(np.float32)
+        y0 = rng.standard_normal((33, n_out), dtype=np.float32)
+        for n in (7, 16, 33):
+            calls.append(dict(ws=[(qtype, w, n_out, n_in)], x=x[:n]))
+            calls.append(dict(ws=[(qtype, w, n_out, n_in)], x=x[:n], epilogue=1, y=y0[:n]))
+            calls.append(dict(ws=[(qtype, w0, n_out // 2, n_in), (qtype, w1, n_out // 2, n_in)], x=x[:n],
+                              norm_w=norm_w, eps=1e-6, epilogue=2))
+    now = [gpu_call(c) for c in calls]
+    for warps in ("8", "16"):
+        refs = linear_in_subprocess(calls, tmp_path, SPECD_GPU_MMA_WARPS=warps)
+        for i, (c, y, ref) in enumerate(zip(calls, now, refs)):
+            what = f"warps {warps} call {i}: {c['ws'][0][0].name} K={c['ws'][0][3]} n={len(c['x'])} " \
+                   f"epilogue={c.get('epilogue', 0)}"
+            np.testing.assert_array_equal(y.view(np.uint32), ref.view(np.uint32), what)
+            assert np.isfinite(y).all(), what
+
+
 # ---- epilogues, biases, several weights, fused norm (both paths)
 
 def swiglu64(g: np.ndarray, u: np.ndarray) -> np.ndarray:

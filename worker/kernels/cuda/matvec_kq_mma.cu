@@ -19,9 +19,10 @@
 //
 // Work: a tile = 16 MT weight rows (MT m-tiles of 16; SwiGLU: 8 MT gate rows over the same up
 // rows) times NX = 8 NT rows of x (n-tiles of 8); the 8 warps of a persistent CTA take the
-// tile's 8 quads, each loading its chunks' bytes straight from global memory one chunk ahead
-// (Q8_0: three; the stream runs on into the CTA's next tile), and meet in shared memory at the
-// tile's end.
+// tile's 8 quads (tiles of two m-tiles of Q4_K / Q6_K: 16 warps, one m-tile each, so that an SM
+// runs 16 warps of at most 128 registers), each loading its chunks' bytes straight from global
+// memory one chunk ahead (Q8_0: three; the stream runs on into the CTA's next tile), and meet
+// in shared memory at the tile's end.
 // x is turned into digits once per call (digits_kernel: one CTA per row, into the workspace:
 // 3 bytes per element plus a grid step and a sum per 32-element block, laid out as the CTAs'
 // shared memory wants it); each CTA copies its NX rows' image into shared memory (NX (3.25 K +
@@ -100,24 +101,28 @@ __device__ __forceinline__ const uint8_t* tile_row(const MmaParams& p, int j0, i
   return w.data + (size_t)o * w.stride;
 }
 
-// The lane's weight rows of a tile: [m-tile][g, g + 8].
-template <int MT>
-__device__ __forceinline__ void lane_rows(const MmaParams& p, int tile, int g, const uint8_t* (&rows)[MT][2]) {
+// The lane's weight rows of a tile (MT m-tiles) in its warp's MW m-tiles from m0: [m-tile][g, g + 8].
+template <int MT, int MW>
+__device__ __forceinline__ void lane_rows(const MmaParams& p, int tile, int g, int m0, const uint8_t* (&rows)[MW][2]) {
   int j0;
   int64_t o_first;
   tile_of<MT>(p, tile, j0, o_first);
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
+  for (int mt = 0; mt < MW; ++mt)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) rows[mt][h] = tile_row<MT>(p, j0, o_first, 16 * mt + g + 8 * h);
+    for (int h = 0; h < 2; ++h) rows[mt][h] = tile_row<MT>(p, j0, o_first, 16 * (m0 + mt) + g + 8 * h);
 }
 
 // Plane `plane` of row r's segment s in shared memory (see mma_smem): row r sits in slot
-// r ^ (s % 8) of its segment, so that the 8 segments a group of 32 threads writes (consecutive
-// elements of one row) fall in different banks, as do the 8 rows a warp reads of one segment.
+// r ^ f(s) of its segment, f(s) = 4 (s % 2) + (s / 2) % 4 (a permutation of s % 8), so that
+// the 8 segments a group of 32 threads writes (consecutive elements of one row) fall in
+// different banks, as do the 8 rows a warp reads of one segment, and the two segments 2k,
+// 2k + 1 that the lanes of a 32-element run read as 8 bytes each (half a warp per phase:
+// rows 0..3 or 4..7 of both segments) fall in opposite 64-byte halves of the banks.
+__device__ __forceinline__ int seg_swizzle(int s) { return ((s & 1) << 2) | ((s >> 1) & 3); }
 template <int NX>
 __device__ __forceinline__ uint8_t* seg_ptr(uint8_t* dig, int64_t K, int plane, int s, int r) {
-  return dig + (size_t)plane * (size_t)(K * NX) + (size_t)(s * NX + (r ^ (s & 7))) * 16;
+  return dig + (size_t)plane * (size_t)(K * NX) + (size_t)(s * NX + (r ^ seg_swizzle(s))) * 16;
 }
 template <int NX>
 __device__ __forceinline__ const uint8_t* seg_at(const uint8_t* dig, int64_t K, int plane, int s, int r) {
@@ -434,15 +439,21 @@ __global__ void __launch_bounds__(kThreads) digits_kernel(const MmaParams p) {
 }
 
 // G: x's image stays in global memory (read through the L1 cache; for K whose image does not
-// fit shared memory), else it is copied into shared memory first.
-template <GgmlType T, int NT, int MT, bool G>
-__global__ void __launch_bounds__(kThreads, 1) kq_mma_kernel(const MmaParams p) {
+// fit shared memory), else it is copied into shared memory first. H: warps per quad (1, or 2
+// for a tile of two m-tiles: warp quad + 8 h takes m-tile h, so each warp holds half the
+// registers and an SM runs 16 warps instead of 8; every output's sums stay in one warp, in
+// the same order: the same bits).
+template <GgmlType T, int NT, int MT, bool G, int H>
+__global__ void __launch_bounds__(kThreads * H, 1) kq_mma_kernel(const MmaParams p) {
 #if SPECD_MMA
-  using R = Mq<T, MT>;
+  static_assert(MT % H == 0, "a warp takes whole m-tiles");
+  constexpr int MW = MT / H;  // m-tiles per warp
+  using R = Mq<T, MW>;
   constexpr int NX = 8 * NT, TR = 16 * MT;  // rows of x, weight rows of a tile
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ float inv[NX];
-  const int lane = threadIdx.x % kGroup, warp = threadIdx.x / kGroup, g = lane >> 2, t = lane & 3;
+  const int lane = threadIdx.x % kGroup, warp = (threadIdx.x / kGroup) % kWarps, g = lane >> 2, t = lane & 3;
+  const int m0 = (int)(threadIdx.x / (kGroup * kWarps)) * MW;  // the warp's first m-tile
   const int64_t K = p.K, row0 = (int64_t)blockIdx.y * NX;
   const uint8_t* img = p.img + (size_t)blockIdx.y * (size_t)p.img_bytes;  // this tile of x's image
   const uint8_t* dig = G ? img : smem;
@@ -460,15 +471,15 @@ __global__ void __launch_bounds__(kThreads, 1) kq_mma_kernel(const MmaParams p) 
   static_assert(PD == 2 || PD == 4, "kDepth: 2 or 4");
   const int nj4 = PD == 2 ? nj : (nj + 3) & ~3;
   int l_tile = blockIdx.x, l_j = 0;
-  const uint8_t* lrows[MT][2];
-  if (l_tile < n_tiles) lane_rows<MT>(p, l_tile, g, lrows);
+  const uint8_t* lrows[MW][2];
+  if (l_tile < n_tiles) lane_rows<MT, MW>(p, l_tile, g, m0, lrows);
   auto fetch = [&](typename R::Chunk& dst) {
     if (l_tile >= n_tiles || nj == 0) return;
     if (PD == 2 || l_j < nj) R::load(lrows, warp + kWarps * l_j, t, dst);
     if (++l_j == nj4) {
       l_j = 0;
       l_tile += grid;
-      if (l_tile < n_tiles) lane_rows<MT>(p, l_tile, g, lrows);
+      if (l_tile < n_tiles) lane_rows<MT, MW>(p, l_tile, g, m0, lrows);
     }
   };
   // (kDepth 2 keeps two named chunks, not a ring of 2: written as an array, the same loads gave
@@ -489,7 +500,7 @@ __global__ void __launch_bounds__(kThreads, 1) kq_mma_kernel(const MmaParams p) 
   gpu_grid_launch_dependents();
   SPECD_TRACE_MARK(1);
   if (!G) {  // the tile's image of x (digits_kernel) into shared memory
-    for (int64_t off = 16 * (int64_t)threadIdx.x; off < p.img_bytes; off += 16 * kThreads) cp_async16_all(smem + off, img + off);
+    for (int64_t off = 16 * (int64_t)threadIdx.x; off < p.img_bytes; off += 16 * kThreads * H) cp_async16_all(smem + off, img + off);
     cp_async_commit();
   }
   if (threadIdx.x < NX) inv[threadIdx.x] = p.inv[min(row0 + (int64_t)threadIdx.x, p.n - 1)];
@@ -498,11 +509,11 @@ __global__ void __launch_bounds__(kThreads, 1) kq_mma_kernel(const MmaParams p) 
   SPECD_TRACE_MARK(2);
 
   for (int tile = blockIdx.x; tile < n_tiles; tile += grid) {
-    float acc[4][MT][NT][4];  // [class q: chunk c = warp + 8 j, j % 4 = q][m-tile][n-tile][D element]
+    float acc[4][MW][NT][4];  // [class q: chunk c = warp + 8 j, j % 4 = q][m-tile m0 + ..][n-tile][D element]
 #pragma unroll
     for (int q = 0; q < 4; ++q)
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
+      for (int mt = 0; mt < MW; ++mt)
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -524,7 +535,7 @@ __global__ void __launch_bounds__(kThreads, 1) kq_mma_kernel(const MmaParams p) 
     }
     // the quad's value (group_sum's levels xor 16 and 8 over its classes) into shared memory
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+    for (int mt = 0; mt < MW; ++mt)
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -535,7 +546,7 @@ __global__ void __launch_bounds__(kThreads, 1) kq_mma_kernel(const MmaParams p) 
             const int e = 2 * h + e2;
             v[e2] = (acc[0][mt][nt][e] + acc[2][mt][nt][e]) + (acc[1][mt][nt][e] + acc[3][mt][nt][e]);
           }
-          const int wr = 16 * mt + g + 8 * h;
+          const int wr = 16 * (m0 + mt) + g + 8 * h;
           *reinterpret_cast<float2*>(part + (warp * TR + wr) * NX + 8 * nt + 2 * t) = make_float2(v[0], v[1]);
         }
     __syncthreads();
@@ -549,7 +560,7 @@ __global__ void __launch_bounds__(kThreads, 1) kq_mma_kernel(const MmaParams p) 
       return (((q[0] + q[4]) + (q[2] + q[6])) + ((q[1] + q[5]) + (q[3] + q[7]))) * inv[xr];
     };
     if (p.ep == Epilogue::SwiGLU) {
-      for (int o = threadIdx.x; o < (TR / 2) * NX; o += kThreads) {
+      for (int o = threadIdx.x; o < (TR / 2) * NX; o += kThreads * H) {
         const int wr = o / NX, xr = o % NX;
         const int64_t out = o_first + wr;
         if (row0 + xr >= p.n || out >= p.w[0].n_out) continue;
@@ -557,7 +568,7 @@ __global__ void __launch_bounds__(kThreads, 1) kq_mma_kernel(const MmaParams p) 
       }
     } else {
       const LinWeight& w = p.w[j0];
-      for (int o = threadIdx.x; o < TR * NX; o += kThreads) {
+      for (int o = threadIdx.x; o < TR * NX; o += kThreads * H) {
         const int wr = o / NX, xr = o % NX;
         const int64_t out = o_first + wr;
         if (row0 + xr >= p.n || out >= w.n_out) continue;
@@ -572,30 +583,33 @@ __global__ void __launch_bounds__(kThreads, 1) kq_mma_kernel(const MmaParams p) 
 #endif
 }
 
-template <GgmlType T, int NT, int MT, bool G>
+template <GgmlType T, int NT, int MT, bool G, int H>
 void launch_nt(const MmaParams& p, size_t smem, gpuStream_t s) {
   static std::once_flag once;  // allow the device's largest shared memory once per kernel
   std::call_once(once, [] {
-    SPECD_GPU_CHECK(gpuFuncSetAttribute((kq_mma_kernel<T, NT, MT, G>), gpuFuncAttributeMaxDynamicSharedMemorySize,
+    SPECD_GPU_CHECK(gpuFuncSetAttribute((kq_mma_kernel<T, NT, MT, G, H>), gpuFuncAttributeMaxDynamicSharedMemorySize,
                                         (int)(dev_limits().smem_per_block - kStaticSmem)));
   });
   int per_sm = 0;  // persistent CTAs: as many as fit at once
-  SPECD_GPU_CHECK(gpuOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, (kq_mma_kernel<T, NT, MT, G>), kThreads, smem));
+  SPECD_GPU_CHECK(
+      gpuOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, (kq_mma_kernel<T, NT, MT, G, H>), kThreads * H, smem));
   const int64_t ctas = std::min<int64_t>(p.n_tiles, (int64_t)std::max(per_sm, 1) * dev_limits().sms);
   const dim3 grid((unsigned)ctas, (unsigned)ceil_div(p.n, (int64_t)(8 * NT)));
-  gpu_launch("kq_mma_kernel", kq_mma_kernel<T, NT, MT, G>, grid, dim3(kThreads), smem, s, p);
+  gpu_launch("kq_mma_kernel", kq_mma_kernel<T, NT, MT, G, H>, grid, dim3(kThreads * H), smem, s, p);
 }
 
+// mt: m-tiles per tile; split: 16 warps, one m-tile each (mt = 2)
 template <GgmlType T, int NT, bool G>
-void launch_mt(const MmaParams& p, int mt, size_t smem, gpuStream_t s) {
-  if (mt == 1) launch_nt<T, NT, 1, G>(p, smem, s);
-  else launch_nt<T, NT, 2, G>(p, smem, s);
+void launch_mt(const MmaParams& p, int mt, bool split, size_t smem, gpuStream_t s) {
+  if (mt == 1) launch_nt<T, NT, 1, G, 1>(p, smem, s);
+  else if (split) launch_nt<T, NT, 2, G, 2>(p, smem, s);
+  else launch_nt<T, NT, 2, G, 1>(p, smem, s);
 }
 
 template <GgmlType T>
-void launch_type(const MmaParams& p, int nt, int mt, bool global, size_t smem, gpuStream_t s) {
-  if (global) nt == 1 ? launch_mt<T, 1, true>(p, mt, smem, s) : launch_mt<T, 2, true>(p, mt, smem, s);
-  else nt == 1 ? launch_mt<T, 1, false>(p, mt, smem, s) : launch_mt<T, 2, false>(p, mt, smem, s);
+void launch_type(const MmaParams& p, int nt, int mt, bool split, bool global, size_t smem, gpuStream_t s) {
+  if (global) nt == 1 ? launch_mt<T, 1, true>(p, mt, split, smem, s) : launch_mt<T, 2, true>(p, mt, split, smem, s);
+  else nt == 1 ? launch_mt<T, 1, false>(p, mt, split, smem, s) : launch_mt<T, 2, false>(p, mt, split, smem, s);
 }
 
 // The call's weights of `type` (each keeping its output columns) in tiles of 16 mt rows; the
@@ -644,6 +658,9 @@ bool kq_mma_linear(const LinearArgs& a, gpuStream_t s) {
   const int64_t K = a.w[0]->n_in;
   const size_t room = dev_limits().smem_per_block - kStaticSmem;
   static const bool force_global = env_value("SPECD_GPU_MMA_GLOBAL") == "1";
+  // tiles of 32 rows in 16 warps of one m-tile each (default: the K-quants; "8": never, "16":
+  // every type)
+  static const std::string warps = env_value("SPECD_GPU_MMA_WARPS");
   const int nt = a.n > 8 ? 2 : 1, nx = 8 * nt;
   const bool global = force_global || mma_smem(K, nx, 2) > room;  // x's image read from L1 / L2
   if (a.work == nullptr || a.work_bytes < kq_mma_work_bytes(a.n, K) || (uintptr_t)a.work % 16 != 0) return false;
@@ -665,9 +682,10 @@ bool kq_mma_linear(const LinearArgs& a, gpuStream_t s) {
     const int mt = ceil_div(2 * t2, sms) < 2 * ceil_div(t2, sms) ? 1 : 2;
     if (mt == 1) type_params(base, a, type, 1, p);
     const size_t smem = mma_smem(K, nx, mt) - (global ? image_bytes(K, nx) : 0);
-    if (type == GgmlType::Q4_K) launch_type<GgmlType::Q4_K>(p, nt, mt, global, smem, s);
-    else if (type == GgmlType::Q6_K) launch_type<GgmlType::Q6_K>(p, nt, mt, global, smem, s);
-    else launch_type<GgmlType::Q8_0>(p, nt, mt, global, smem, s);
+    const bool split = mt == 2 && (warps == "16" || (warps != "8" && type != GgmlType::Q8_0));
+    if (type == GgmlType::Q4_K) launch_type<GgmlType::Q4_K>(p, nt, mt, split, global, smem, s);
+    else if (type == GgmlType::Q6_K) launch_type<GgmlType::Q6_K>(p, nt, mt, split, global, smem, s);
+    else launch_type<GgmlType::Q8_0>(p, nt, mt, split, global, smem, s);
   }
   return true;
 }

@@ -1,0 +1,61 @@
+"""Forward times of one, 16 and 8 positions (a decode step, speculative verifies) per model and
+environment variant, side by side in one device call (tools/device: the GPU machine).
+
+    python3 tools/device/fwd_variants.py OUT.json MODEL.gguf [MODEL.gguf ...] -- "" "SPECD_GPU_MMA_WARPS=8" ...
+
+Each variant ("VAR=VALUE;VAR=VALUE", "" for the defaults; SPECD_NATIVE_DIR=<build_base.sh's
+build> for the code before a change) runs in its own process, since the kernels read the
+environment once: the model opened on cuda:0 with n_ctx 256, Engine.bench_forward(n, 64, reps)
+for n = 1 (40 reps), 16 and 8 (15 reps), the best of 3 medians, in microseconds. Prints a line
+per model and variant (with n = 16 and 8 in decode steps) and writes them all to OUT.json.
+"""
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+RUNS = ((1, 40), (16, 15), (8, 15))  # (positions, reps)
+
+
+def child(path: str) -> None:
+    from worker.engine import Engine
+    from worker.model_file import open_model
+
+    res = {}
+    with Engine(open_model(path), device="cuda:0", n_ctx=256) as eng:
+        for n, reps in RUNS:
+            res[n] = min(statistics.median(eng.bench_forward(n, 64, reps)) for _ in range(3)) * 1e6
+    print("RESULT", json.dumps(res), flush=True)
+
+
+def main() -> None:
+    if sys.argv[1] == "--child":
+        child(sys.argv[2])
+        return
+    out, args = sys.argv[1], sys.argv[2:]
+    split = args.index("--")
+    models, variants = args[:split], args[split + 1:]
+    results = {}
+    for m in models:
+        for v in variants:
+            env = dict(os.environ)
+            env.update(kv.split("=", 1) for kv in v.split(";") if kv)
+            r = subprocess.run([sys.executable, __file__, "--child", m], env=env, capture_output=True, text=True,
+                               timeout=300)
+            line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
+            res = json.loads(line[0][7:]) if line else {"error": r.stderr[-600:]}
+            results[f"{os.path.basename(m)} [{v}]"] = res
+            if line:
+                cells = " ".join(f"fwd{n} {res[str(n)]:8.1f}" + (f" ({res[str(n)] / res['1']:.2f})" if n > 1 else "")
+                                 for n, _ in RUNS)
+                print(f"{os.path.basename(m):32s} {v or 'default':28s} {cells}", flush=True)
+            else:
+                print(os.path.basename(m), v or "default", res, flush=True)
+    with open(out, "w") as f:
+        json.dump({"command": " ".join(sys.argv), "unit": "us per forward after 64 positions", "results": results}, f,
+                  indent=1)
+
+
+if __name__ == "__main__":
+    main()
