@@ -12,8 +12,9 @@ per model and variant (with n = 16 and 8 in decode steps) and writes them all to
 import json
 import os
 import statistics
-import subprocess
 import sys
+
+from pos_sweep import run_variants  # (this folder: sys.path[0] when run as a script)
 
 RUNS = ((1, 40), (16, 15), (8, 15))  # (positions, reps)
 
@@ -37,21 +38,14 @@ def main() -> None:
     split = args.index("--")
     models, variants = args[:split], args[split + 1:]
     results = {}
-    for m in models:
-        for v in variants:
-            env = dict(os.environ)
-            env.update(kv.split("=", 1) for kv in v.split(";") if kv)
-            r = subprocess.run([sys.executable, __file__, "--child", m], env=env, capture_output=True, text=True,
-                               timeout=300)
-            line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
-            res = json.loads(line[0][7:]) if line else {"error": r.stderr[-600:]}
-            results[f"{os.path.basename(m)} [{v}]"] = res
-            if line:
-                cells = " ".join(f"fwd{n} {res[str(n)]:8.1f}" + (f" ({res[str(n)] / res['1']:.2f})" if n > 1 else "")
-                                 for n, _ in RUNS)
-                print(f"{os.path.basename(m):32s} {v or 'default':28s} {cells}", flush=True)
-            else:
-                print(os.path.basename(m), v or "default", res, flush=True)
+    for m, v, res in run_variants(__file__, models, variants, [], timeout=300):
+        results[f"{os.path.basename(m)} [{v}]"] = res
+        if "error" in res:
+            print(os.path.basename(m), v or "default", res, flush=True)
+            continue
+        cells = " ".join(f"fwd{n} {res[str(n)]:8.1f}" + (f" ({res[str(n)] / res['1']:.2f})" if n > 1 else "")
+                         for n, _ in RUNS)
+        print(f"{os.path.basename(m):32s} {v or 'default':28s} {cells}", flush=True)
     with open(out, "w") as f:
         json.dump({"command": " ".join(sys.argv), "unit": "us per forward after 64 positions", "results": results}, f,
                   indent=1)

@@ -31,6 +31,20 @@ def child(path: str, n: int) -> None:
     print("RESULT", json.dumps(res), flush=True)
 
 
+def run_variants(script: str, models, variants, args, timeout: float):
+    """Yields (model, variant, result) for each model and variant: `script --child MODEL *args`
+    run in a process of its own with the variant's "VAR=VALUE;VAR=VALUE" added to the
+    environment; result is the JSON of the child's "RESULT " line, or {"error": its stderr}."""
+    for m in models:
+        for v in variants:
+            env = dict(os.environ)
+            env.update(kv.split("=", 1) for kv in v.split(";") if kv)
+            r = subprocess.run([sys.executable, script, "--child", m, *args], env=env, capture_output=True, text=True,
+                               timeout=timeout)
+            line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
+            yield m, v, json.loads(line[0][7:]) if line else {"error": r.stderr[-800:]}
+
+
 def main() -> None:
     if sys.argv[1] == "--child":
         child(sys.argv[2], int(sys.argv[3]))
@@ -43,17 +57,10 @@ def main() -> None:
     out, split = args[0], args.index("--")
     models, variants = args[1:split], args[split + 1 :]
     results = {}
-    for m in models:
-        for v in variants:
-            env = dict(os.environ)
-            env.update(kv.split("=", 1) for kv in v.split(";") if kv)
-            r = subprocess.run([sys.executable, __file__, "--child", m, str(n)], env=env, capture_output=True, text=True,
-                               timeout=200)
-            line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
-            res = json.loads(line[0][7:]) if line else {"error": r.stderr[-800:]}
-            results[f"{os.path.basename(m)} [{v}]"] = res
-            cells = " ".join(f"{p}:{x:.1f}" if isinstance(x, float) else f"{p}:{x}" for p, x in res.items())
-            print(os.path.basename(m), v or "default", cells, flush=True)
+    for m, v, res in run_variants(__file__, models, variants, [str(n)], timeout=200):
+        results[f"{os.path.basename(m)} [{v}]"] = res
+        cells = " ".join(f"{p}:{x:.1f}" if isinstance(x, float) else f"{p}:{x}" for p, x in res.items())
+        print(os.path.basename(m), v or "default", cells, flush=True)
     with open(out, "w") as f:
         json.dump({"command": " ".join(sys.argv), "unit": f"us per forward of {n} position(s)", "n": n,
                    "results": results}, f, indent=1)
