@@ -7,7 +7,8 @@ Each variant ("VAR=VALUE;VAR=VALUE", "" for the defaults; SPECD_NATIVE_DIR=<buil
 build> for the code before a change) runs in its own process, since the kernels read the
 environment once: the model opened on cuda:0 with n_ctx 256, Engine.bench_forward(n, 64, reps)
 for n = 1 (40 reps), 16 and 8 (15 reps), the best of 3 medians, in microseconds. Prints a line
-per model and variant (with n = 16 and 8 in decode steps) and writes them all to OUT.json.
+per model and variant (with n = 16 and 8 in decode steps) and writes them all to OUT.json (a
+variant given twice, to see the noise, keeps both runs: "MODEL [VARIANT] #2").
 """
 import json
 import os
@@ -39,7 +40,9 @@ def main() -> None:
     models, variants = args[:split], args[split + 1:]
     results = {}
     for m, v, res in run_variants(__file__, models, variants, [], timeout=300):
-        results[f"{os.path.basename(m)} [{v}]"] = res
+        key = f"{os.path.basename(m)} [{v}]"
+        runs = sum(k == key or k.startswith(key + " #") for k in results)
+        results[key if runs == 0 else f"{key} #{runs + 1}"] = res  # (a variant given twice: both runs)
         if "error" in res:
             print(os.path.basename(m), v or "default", res, flush=True)
             continue

@@ -15,6 +15,14 @@
 namespace specd {
 namespace gpu {
 
+// Units of 4 elements of x a thread of a 256-thread CTA has in flight (all loads issued before
+// any is used) when it turns rows of x into digits: kPrepUnits (12: K <= 12288, an 8B's down
+// projection, takes one round of loads instead of three) for rows of x alone or where registers
+// allow, kPrepNormUnits where the norm's weights take registers too; a tile of NR rows takes
+// 1 / NR of that of each row. Rounds only change when loads are issued: the units, and the
+// order in which a thread adds their squares, stay the same (so do the bits).
+constexpr int kPrepUnits = 12, kPrepNormUnits = 4;
+
 struct Digits4 {
   uint32_t d0, d1, d2;  // the three byte planes of 4 consecutive elements (element 0 in byte 0)
   float xsb;            // the block's grid step 2^(E_b - 22) (NaN for a block holding inf or NaN)

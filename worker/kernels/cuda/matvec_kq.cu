@@ -73,28 +73,29 @@ __host__ __device__ constexpr int digit_row_bytes(int plane) { return 3 * plane 
 __device__ __forceinline__ int digit_run(int c, int q) { return ((((c >> 5) << 2) + q) << 9) + ((c & 31) << 4); }
 __device__ __forceinline__ int digit_at(int e) { return digit_run(e >> 6, (e >> 4) & 3) + (e & 15); }
 
-// The digits of x[r] (times norm_w) for the tile's NR rows, all of K: thread t takes the
-// units (4 elements) t, t + 256, ... of every row (8 consecutive lanes a 32-element block),
-// C units of each row with all their loads in flight before any is used; with ss, also each
-// row's sum of squares in unit order (the same in every CTA, for every n).
-template <int NR>
-__device__ __forceinline__ void prep_digits(const KqParams& p, const int32_t (&xoff)[NR], uint8_t* dig,
-                                            float* ss) {
-  constexpr int C = NR >= 4 ? 1 : 4 / NR;
+// The digits of x[r] (times norm_w, when kNorm) for the tile's NR rows, all of K: thread t
+// takes the units (4 elements) t, t + 256, ... of every row (8 consecutive lanes a 32-element
+// block), C units of each row with all their loads in flight before any is used (kSkip: a
+// round's units past K, none of which any thread holds, neither loaded nor converted); with
+// ss, also each row's sum of squares in unit order (the same in every CTA, for every n).
+template <int NR, int C, bool kNorm, bool kSkip>
+__device__ __forceinline__ void prep_rounds(const KqParams& p, const int32_t (&xoff)[NR], uint8_t* dig, float* ss) {
   const int units = (int)(p.K / 4), plane = p.plane;
   for (int i0 = 0; i0 * kThreads < units; i0 += C) {  // (uniform trip count: whole groups shuffle)
     float4 a[C][NR], n[C];
 #pragma unroll
     for (int c = 0; c < C; ++c) {
+      if (kSkip && (i0 + c) * kThreads >= units) break;  // (uniform)
       const int u = (i0 + c) * kThreads + (int)threadIdx.x;
       n[c] = make_float4(1.f, 1.f, 1.f, 1.f);
-      if (u < units && p.norm_w != nullptr) n[c] = __ldg(reinterpret_cast<const float4*>(p.norm_w) + u);
+      if (kNorm && u < units) n[c] = __ldg(reinterpret_cast<const float4*>(p.norm_w) + u);
 #pragma unroll
       for (int r = 0; r < NR; ++r)
         a[c][r] = u < units ? __ldg(reinterpret_cast<const float4*>(p.x + xoff[r]) + u) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
 #pragma unroll
     for (int c = 0; c < C; ++c) {
+      if (kSkip && (i0 + c) * kThreads >= units) break;  // (uniform)
       const int u = (i0 + c) * kThreads + (int)threadIdx.x;
 #pragma unroll
       for (int r = 0; r < NR; ++r) {
@@ -115,6 +116,18 @@ __device__ __forceinline__ void prep_digits(const KqParams& p, const int32_t (&x
       }
     }
   }
+}
+
+// prep_rounds for the tile (digits.cuh): kPrepNormUnits / NR units in flight with the norm
+// (its weights' loads take registers too), kPrepUnits / NR without, skipping the units past
+// K. kTight (kernels of 3 CTAs per SM, 80 registers: Q4_K with one row of x) keeps the
+// rounds of kPrepNormUnits and no skip: both spilled there (Qwen3-8B Q4_K_M decode 3-5 %
+// slower, tools/device/fwd_variants.py on the H200).
+template <int NR, bool kTight>
+__device__ __forceinline__ void prep_digits(const KqParams& p, const int32_t (&xoff)[NR], uint8_t* dig, float* ss) {
+  constexpr int CN = kPrepNormUnits >= NR ? kPrepNormUnits / NR : 1, CX = kTight ? CN : kPrepUnits / NR;
+  if (p.norm_w != nullptr) prep_rounds<NR, CN, true, !kTight>(p, xoff, dig, ss);
+  else prep_rounds<NR, CX, false, !kTight>(p, xoff, dig, ss);
 }
 
 // Exact integer sums S_t of 16 weight bytes w (4 words; kWSigned: int8, else uint8) times the
@@ -431,7 +444,7 @@ struct KqReader {
   }
   template <int NR>
   __device__ static void prep(const Params& p, const int32_t (&xoff)[NR], uint8_t* smem, float* ss) {
-    prep_digits<NR>(p, xoff, smem, ss);
+    prep_digits<NR, (min_blocks(NR) >= 3)>(p, xoff, smem, ss);
   }
   template <int NR>
   __device__ static void dot(const Params& p, const Chunk (&ch)[kRpg], const uint8_t* smem, int nc, int i, int lane,

@@ -397,7 +397,7 @@ __global__ void __launch_bounds__(kThreads) digits_kernel(const MmaParams p) {
   gpu_grid_wait();
   gpu_grid_launch_dependents();
   SPECD_TRACE_MARK(1);
-  constexpr int C = 4;  // units in flight
+  constexpr int C = kPrepUnits;  // units in flight (digits.cuh; here with the norm too: registers allow)
   const int64_t K = p.K;
   const int units = (int)(K / 4), r = (int)blockIdx.x % NX;
   uint8_t* img = p.img + (size_t)(blockIdx.x / NX) * (size_t)p.img_bytes;
@@ -408,6 +408,7 @@ __global__ void __launch_bounds__(kThreads) digits_kernel(const MmaParams p) {
     float4 a[C], n[C];
 #pragma unroll
     for (int c = 0; c < C; ++c) {
+      if ((i0 + c) * kThreads >= units) break;  // (uniform: no thread of the CTA has unit c)
       const int u = (i0 + c) * kThreads + (int)threadIdx.x;
       n[c] = make_float4(1.f, 1.f, 1.f, 1.f);
       if (u < units && p.norm_w != nullptr) n[c] = __ldg(reinterpret_cast<const float4*>(p.norm_w) + u);
@@ -415,6 +416,7 @@ __global__ void __launch_bounds__(kThreads) digits_kernel(const MmaParams p) {
     }
 #pragma unroll
     for (int c = 0; c < C; ++c) {
+      if ((i0 + c) * kThreads >= units) break;  // (uniform: no thread of the CTA has unit c)
       const int u = (i0 + c) * kThreads + (int)threadIdx.x;
       if (p.norm_w != nullptr && u < units) ss = add_squares(a[c], ss);
       const Digits4 d = block_digits4(a[c], n[c]);
