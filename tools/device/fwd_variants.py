@@ -9,9 +9,16 @@ environment once: the model opened on cuda:0 with n_ctx 256, Engine.bench_forwar
 for n = 1 (40 reps), 16 and 8 (15 reps), the best of 3 medians, in microseconds. Prints a line
 per model and variant (with n = 16 and 8 in decode steps) and writes them all to OUT.json (a
 variant given twice, to see the noise, keeps both runs: "MODEL [VARIANT] #2").
+
+    python3 tools/device/fwd_variants.py --plot OUT.json OUT.png
+
+draws a stored result (off the device: matplotlib): per model, the 1- and 16-position forwards
+of each variant (the mean of its runs) as % of the model's first variant; the JSON's optional
+"labels" ({variant: name}) name the bars.
 """
 import json
 import os
+import re
 import statistics
 import sys
 
@@ -31,18 +38,74 @@ def child(path: str) -> None:
     print("RESULT", json.dumps(res), flush=True)
 
 
+def run_key(results: dict, model: str, variant: str) -> str:
+    """The results key of a new run: "MODEL [VARIANT]", then "... #2", "... #3" for repeats."""
+    key = f"{model} [{variant}]"
+    runs = sum(k == key or k.startswith(key + " #") for k in results)
+    return key if runs == 0 else f"{key} #{runs + 1}"
+
+
+def group_runs(results: dict) -> dict:
+    """{model: {variant: [result of each run]}} in the order of the results (failed runs left out)."""
+    runs: dict = {}
+    for key, res in results.items():
+        m = re.fullmatch(r"(.*) \[(.*)\](?: #\d+)?", key)
+        if m and "error" not in res:
+            runs.setdefault(m[1], {}).setdefault(m[2], []).append(res)
+    return runs
+
+
+def plot(path: str, png: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(path) as f:
+        data = json.load(f)
+    labels = data.get("labels", {})
+    runs = group_runs(data["results"])
+    models = list(runs)
+    variants = list(dict.fromkeys(v for m in models for v in runs[m]))
+    width = 0.8 / len(variants)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    for ax, n in zip(axes, ("1", "16")):
+        every = []
+        for j, v in enumerate(variants):
+            xs, ys = [], []
+            for i, m in enumerate(models):
+                if v in runs[m]:
+                    ref = statistics.mean(r[n] for r in next(iter(runs[m].values())))
+                    xs.append(i + j * width)
+                    ys.append(100 * statistics.mean(r[n] for r in runs[m][v]) / ref)
+            every += ys
+            ax.bar(xs, ys, width=0.95 * width, label=labels.get(v, v or "default"))
+            for x, y in zip(xs, ys):
+                ax.text(x, y, f"{y:.1f}", ha="center", va="bottom", fontsize=7)
+        ax.set_ylim(min(every) - 5, max(every) + 3)
+        ax.set_xticks([i + width * (len(variants) - 1) / 2 for i in range(len(models))],
+                      [m.replace(".random.gguf", "") for m in models], fontsize=8)
+        ax.set_title(("decode step" if n == "1" else f"forward of {n} positions") + ", % of the first variant",
+                     fontsize=9)
+    axes[1].legend(fontsize=7, loc="lower left")
+    fig.suptitle(os.path.basename(path) + " (H200, every variant in one call)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
 def main() -> None:
     if sys.argv[1] == "--child":
         child(sys.argv[2])
+        return
+    if sys.argv[1] == "--plot":
+        plot(sys.argv[2], sys.argv[3])
         return
     out, args = sys.argv[1], sys.argv[2:]
     split = args.index("--")
     models, variants = args[:split], args[split + 1:]
     results = {}
     for m, v, res in run_variants(__file__, models, variants, [], timeout=300):
-        key = f"{os.path.basename(m)} [{v}]"
-        runs = sum(k == key or k.startswith(key + " #") for k in results)
-        results[key if runs == 0 else f"{key} #{runs + 1}"] = res  # (a variant given twice: both runs)
+        results[run_key(results, os.path.basename(m), v)] = res
         if "error" in res:
             print(os.path.basename(m), v or "default", res, flush=True)
             continue

@@ -1,0 +1,46 @@
+"""tools/device/fwd_variants.py: a variant given twice keeps both runs (one call's repeats are
+how its noise is read), and the stored results group back by model and variant for the plot."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load_tool():
+    sys.path.insert(0, str(ROOT / "tools/device"))  # (its own import of pos_sweep)
+    try:
+        spec = importlib.util.spec_from_file_location("fwd_variants", ROOT / "tools/device/fwd_variants.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+    finally:
+        sys.path.pop(0)
+
+
+def test_repeated_variants_keep_every_run_in_order() -> None:
+    fv = load_tool()
+    results: dict = {}
+    calls = [("a.gguf", "", 1.0), ("a.gguf", "X=1", 2.0), ("a.gguf", "", 3.0), ("a.gguf", "", 4.0),
+             ("b.gguf", "", 5.0), ("a.gguf", "X=1", 6.0)]
+    for model, variant, t in calls:
+        results[fv.run_key(results, model, variant)] = {"1": t}
+    assert list(results) == ["a.gguf []", "a.gguf [X=1]", "a.gguf [] #2", "a.gguf [] #3", "b.gguf []",
+                             "a.gguf [X=1] #2"]
+    results["b.gguf [X=1]"] = {"error": "exit 1"}  # a failed run is left out of the groups
+    groups = fv.group_runs(json.loads(json.dumps(results)))
+    assert {m: {v: [r["1"] for r in rs] for v, rs in vs.items()} for m, vs in groups.items()} == {
+        "a.gguf": {"": [1.0, 3.0, 4.0], "X=1": [2.0, 6.0]}, "b.gguf": {"": [5.0]}}
+
+
+def test_this_sessions_stored_results_have_both_runs_of_each_variant() -> None:
+    fv = load_tool()
+    data = json.loads((ROOT / "bench/results/gpu_nvidia-h200_20261203c_prep-rounds.json").read_text())
+    groups = fv.group_runs(data["results"])
+    assert len(groups) == 3
+    for variants in groups.values():
+        assert len(variants) == 3 and all(len(runs) == 2 for runs in variants.values())
+    assert set(data["labels"]) == set(next(iter(groups.values())))
