@@ -1,24 +1,20 @@
-"""tools/device/fwd_variants.py: a variant given twice keeps both runs (one call's repeats are
-how its noise is read), and the stored results group back by model and variant for the plot."""
+"""tools/device/pos_sweep.py's results keys, shared with fwd_variants.py: a variant given twice
+keeps both runs (one call's repeats are how its noise is read), and stored results group back by
+model and variant for fwd_variants.py --plot."""
 from __future__ import annotations
 
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def load_tool():
-    sys.path.insert(0, str(ROOT / "tools/device"))  # (its own import of pos_sweep)
-    try:
-        spec = importlib.util.spec_from_file_location("fwd_variants", ROOT / "tools/device/fwd_variants.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
-    finally:
-        sys.path.pop(0)
+    spec = importlib.util.spec_from_file_location("pos_sweep", ROOT / "tools/device/pos_sweep.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def test_repeated_variants_keep_every_run_in_order() -> None:

@@ -18,11 +18,10 @@ of each variant (the mean of its runs) as % of the model's first variant; the JS
 """
 import json
 import os
-import re
 import statistics
 import sys
 
-from pos_sweep import run_variants  # (this folder: sys.path[0] when run as a script)
+from pos_sweep import group_runs, run_key, run_variants  # (this folder: sys.path[0] when run as a script)
 
 RUNS = ((1, 40), (16, 15), (8, 15))  # (positions, reps)
 
@@ -36,23 +35,6 @@ def child(path: str) -> None:
         for n, reps in RUNS:
             res[n] = min(statistics.median(eng.bench_forward(n, 64, reps)) for _ in range(3)) * 1e6
     print("RESULT", json.dumps(res), flush=True)
-
-
-def run_key(results: dict, model: str, variant: str) -> str:
-    """The results key of a new run: "MODEL [VARIANT]", then "... #2", "... #3" for repeats."""
-    key = f"{model} [{variant}]"
-    runs = sum(k == key or k.startswith(key + " #") for k in results)
-    return key if runs == 0 else f"{key} #{runs + 1}"
-
-
-def group_runs(results: dict) -> dict:
-    """{model: {variant: [result of each run]}} in the order of the results (failed runs left out)."""
-    runs: dict = {}
-    for key, res in results.items():
-        m = re.fullmatch(r"(.*) \[(.*)\](?: #\d+)?", key)
-        if m and "error" not in res:
-            runs.setdefault(m[1], {}).setdefault(m[2], []).append(res)
-    return runs
 
 
 def plot(path: str, png: str) -> None:
@@ -70,14 +52,14 @@ def plot(path: str, png: str) -> None:
     width = 0.8 / len(variants)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
     for ax, n in zip(axes, ("1", "16")):
+        ref = {m: statistics.mean(r[n] for r in next(iter(runs[m].values()))) for m in models}  # first variant
         every = []
         for j, v in enumerate(variants):
             xs, ys = [], []
             for i, m in enumerate(models):
                 if v in runs[m]:
-                    ref = statistics.mean(r[n] for r in next(iter(runs[m].values())))
                     xs.append(i + j * width)
-                    ys.append(100 * statistics.mean(r[n] for r in runs[m][v]) / ref)
+                    ys.append(100 * statistics.mean(r[n] for r in runs[m][v]) / ref[m])
             every += ys
             ax.bar(xs, ys, width=0.95 * width, label=labels.get(v, v or "default"))
             for x, y in zip(xs, ys):

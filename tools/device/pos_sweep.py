@@ -8,10 +8,13 @@ process, since the kernels read the environment once), opens the model on cuda:0
 4200 and times Engine.bench_forward(n, pos, 40) (one forward of n positions after `pos`: n = 1, the
 default, a decode step; n = 16 a speculative verify) for pos in 64, 128, 192, 300, 1000 and 4000:
 the best of 5 medians, in microseconds. Prints a line per model and variant and writes them all
-to OUT.json. A variant may point SPECD_NATIVE_DIR at another build (tools/device/build_base.sh).
+to OUT.json (a variant given twice keeps both runs: "MODEL [VARIANT] #2"). A variant may point
+SPECD_NATIVE_DIR at another build (tools/device/build_base.sh). fwd_variants.py shares the
+runner and the results' keys.
 """
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -45,6 +48,23 @@ def run_variants(script: str, models, variants, args, timeout: float):
             yield m, v, json.loads(line[0][7:]) if line else {"error": r.stderr[-800:]}
 
 
+def run_key(results: dict, model: str, variant: str) -> str:
+    """The results key of a new run: "MODEL [VARIANT]", then "... #2", "... #3" for repeats."""
+    key = f"{model} [{variant}]"
+    runs = sum(k == key or k.startswith(key + " #") for k in results)
+    return key if runs == 0 else f"{key} #{runs + 1}"
+
+
+def group_runs(results: dict) -> dict:
+    """{model: {variant: [result of each run]}} in the order of the results (failed runs left out)."""
+    runs: dict = {}
+    for key, res in results.items():
+        m = re.fullmatch(r"(.*) \[(.*)\](?: #\d+)?", key)
+        if m and "error" not in res:
+            runs.setdefault(m[1], {}).setdefault(m[2], []).append(res)
+    return runs
+
+
 def main() -> None:
     if sys.argv[1] == "--child":
         child(sys.argv[2], int(sys.argv[3]))
@@ -58,7 +78,7 @@ def main() -> None:
     models, variants = args[1:split], args[split + 1 :]
     results = {}
     for m, v, res in run_variants(__file__, models, variants, [str(n)], timeout=200):
-        results[f"{os.path.basename(m)} [{v}]"] = res
+        results[run_key(results, os.path.basename(m), v)] = res
         cells = " ".join(f"{p}:{x:.1f}" if isinstance(x, float) else f"{p}:{x}" for p, x in res.items())
         print(os.path.basename(m), v or "default", cells, flush=True)
     with open(out, "w") as f:
