@@ -22,7 +22,9 @@ microseconds:
           no traced CTA of this launch was computing in (wait + the spread of CTA ends)
 The traced forward's own time (bench_forward) is printed with the sum of the spans, and
 --json writes the table. Off the GPU machine, --plot A.json [B.json ...] --png OUT.png draws
-tables written by --json side by side (stacked wait / prep / loop / tail / end spread per kind).
+tables written by --json side by side (stacked wait / prep / loop / tail / end spread per kind;
+a kind is matched across tables by its name without the grid and its rank among that name's
+kinds, so builds launching other CTA counts line up).
 """
 import argparse
 import json
@@ -88,6 +90,28 @@ def summarize(L: dict, prev_end: int | None, ns_per_clock: float, outs: dict[int
 PHASES = ("wait", "prep", "loop", "tail", "end_spread")
 
 
+def slots(tables: list[dict]) -> tuple[list[tuple[str, int]], dict[tuple[str, int], str]]:
+    """Pairs the launch kinds of tables for side-by-side bars: a kind's slot is its name
+    without the grid and its rank among the table's kinds of that name, so builds whose grids
+    differ (another CTA count) still line up launch for launch. Returns the slots in order and
+    each slot's label (the name, then the grids of the tables, "/" between differing ones)."""
+    order: list[tuple[str, int]] = []
+    grids: dict[tuple[str, int], list[str]] = {}
+    for t in tables:
+        seen: dict[str, int] = {}
+        for k in t["kinds"]:
+            name, _, grid = k["kind"].partition(" grid=")
+            slot = (name, seen.get(name, 0))
+            seen[name] = slot[1] + 1
+            k["slot"] = slot
+            if slot not in grids:
+                order.append(slot)
+                grids[slot] = []
+            if grid not in grids[slot]:
+                grids[slot].append(grid)
+    return order, {s: f"{s[0]}\n{' / '.join(g)}" for s, g in grids.items()}
+
+
 def plot(paths: list[str], png: str) -> None:
     """Stacked phase bars per launch kind that runs in every layer, one bar per --json table."""
     import matplotlib
@@ -102,12 +126,12 @@ def plot(paths: list[str], png: str) -> None:
     for t in tables:
         t["kinds"] = [dict(k, kind=re.sub(r" out#\d+", "", k["kind"]) if bare else k["kind"])
                       for k in t["kinds"] if k["launches"] >= 2 * t["reps"]]
-    kinds = list(dict.fromkeys(k["kind"] for t in tables for k in t["kinds"]))
+    kinds, labels = slots(tables)
     fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(kinds)), 4.5))
     width = 0.8 / len(tables)
     colors = ("#4c72b0", "#dd8452", "#55a868", "#8172b3", "#c44e52")
     for ti, t in enumerate(tables):
-        by = {k["kind"]: k for k in t["kinds"]}
+        by = {k["slot"]: k for k in t["kinds"]}
         for ki, kind in enumerate(kinds):
             k, bottom = by.get(kind), 0.0
             if k is None:
@@ -118,7 +142,7 @@ def plot(paths: list[str], png: str) -> None:
                 bottom += k[ph]
             ax.text(ki + ti * width, bottom, f"{bottom:.1f}", ha="center", va="bottom", fontsize=7)
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(kinds))])
-    ax.set_xticklabels([k.replace(" grid=", "\n") for k in kinds], fontsize=7)
+    ax.set_xticklabels([labels[k] for k in kinds], fontsize=7)
     ax.set_ylabel("us per launch (median)")
     names = " | ".join(f"{Path(p).stem} (fwd {np.median(t['forward_us']):.0f} us)" for p, t in zip(paths, tables))
     ax.set_title(f"decode launch phases, left to right: {names}", fontsize=8)
