@@ -3,22 +3,13 @@ keeps both runs (one call's repeats are how its noise is read), and stored resul
 model and variant for fwd_variants.py --plot."""
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def load_tool():
-    spec = importlib.util.spec_from_file_location("pos_sweep", ROOT / "tools/device/pos_sweep.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from helpers.tools import ROOT, load_tool
 
 
 def test_repeated_variants_keep_every_run_in_order() -> None:
-    fv = load_tool()
+    fv = load_tool("device/pos_sweep.py")
     results: dict = {}
     calls = [("a.gguf", "", 1.0), ("a.gguf", "X=1", 2.0), ("a.gguf", "", 3.0), ("a.gguf", "", 4.0),
              ("b.gguf", "", 5.0), ("a.gguf", "X=1", 6.0)]
@@ -33,7 +24,7 @@ def test_repeated_variants_keep_every_run_in_order() -> None:
 
 
 def test_this_sessions_stored_results_have_both_runs_of_each_variant() -> None:
-    fv = load_tool()
+    fv = load_tool("device/pos_sweep.py")
     data = json.loads((ROOT / "bench/results/gpu_nvidia-h200_20261203c_prep-rounds.json").read_text())
     groups = fv.group_runs(data["results"])
     assert len(groups) == 3

@@ -7,7 +7,6 @@ vocabulary (stored in the JSON) that this module writes to a GGUF and loads back
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import gguf
 import pytest
 
+from helpers.tools import load_tool
 from worker.errors import InvalidRequestError, ModelLoadError
 from worker.tokenizer import PRE_TOKENIZERS, Tokenizer
 
@@ -25,15 +25,7 @@ MODES = {"plain": dict(add_special=False, parse_special=False),
          "add_special": dict(add_special=True, parse_special=True)}
 
 
-def _load_tool():
-    """tools/llamacpp_tokens.py by path (it imports llama_cpp only inside the functions that need it)."""
-    spec = importlib.util.spec_from_file_location("llamacpp_tokens", ROOT / "tools/llamacpp_tokens.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-tool = _load_tool()
+tool = load_tool("llamacpp_tokens.py")  # (it imports llama_cpp only inside the functions that need it)
 
 
 def read_metadata(path) -> dict:

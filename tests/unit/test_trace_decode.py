@@ -3,17 +3,7 @@ whose persistent grids differ (another CTA count per launch) must still compare 
 the same launch, not with nothing."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def load_tool():
-    spec = importlib.util.spec_from_file_location("trace_decode", ROOT / "tools/device/trace_decode.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from helpers.tools import load_tool
 
 
 def table(*kinds: str) -> dict:
@@ -21,7 +11,7 @@ def table(*kinds: str) -> dict:
 
 
 def test_kinds_pair_by_name_and_rank_whatever_their_grids() -> None:
-    td = load_tool()
+    td = load_tool("device/trace_decode.py")
     a = table("direct K=4096 out#0 grid=264x1", "attn_decode K=0 out#1 grid=8x1", "direct K=4096 out#0 grid=384x1",
               "direct K=12288 out#2 grid=256x1")
     b = table("direct K=4096 out#0 grid=248x1", "attn_decode K=0 out#1 grid=8x1", "direct K=4096 out#0 grid=368x1",
