@@ -93,8 +93,9 @@ PHASES = ("wait", "prep", "loop", "tail", "end_spread")
 def slots(tables: list[dict]) -> tuple[list[tuple[str, int]], dict[tuple[str, int], str]]:
     """Pairs the launch kinds of tables for side-by-side bars: a kind's slot is its name
     without the grid and its rank among the table's kinds of that name, so builds whose grids
-    differ (another CTA count) still line up launch for launch. Returns the slots in order and
-    each slot's label (the name, then the grids of the tables, "/" between differing ones)."""
+    differ (another CTA count) still line up launch for launch. Sets each kind's "slot" (what
+    plot() looks the bars up by) and returns the slots in order and each slot's label (the
+    name, then the grids of the tables, "/" between differing ones)."""
     order: list[tuple[str, int]] = []
     grids: dict[tuple[str, int], list[str]] = {}
     for t in tables:
