@@ -16,6 +16,7 @@ microseconds:
           resident early, programmatic dependent launch)
   wait    the grid dependency wait returned (median CTA), from that same exit
   prep    wait -> x prepared (median CTA's clock)      loop  prepared -> its rows done
+          (attn_decode: prep = its stage, loop = scores and softmax, tail = the sum of V)
   tail    loop done -> the CTA's barrier at the exit    span  first entry -> last exit
   end_spread  last CTA's exit - the median CTA's exit
   gap     the part of the step between this launch's last exit and the previous one's that

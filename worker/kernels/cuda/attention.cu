@@ -759,9 +759,10 @@ struct DecShape {
   static constexpr size_t kBufElems = (size_t)kDecST * kLd;
   static constexpr size_t kBuf = kBufElems * sizeof(KvT);
   // after the ring: qs [kDecMaxRows, HD] | S [kDecMaxRows, 256] | ml [kDecMaxRows, 2] (floats)
-  //   | angles [kRopeMaxPairs, 2] (double) | new K row, new V row [HD] (KvT)
+  //   | angles [kRopeMaxPairs, 2] (double) | new K row, new V row [HD] (KvT) | q_norm, k_norm
+  //   [HD] (floats)
   static constexpr size_t kTail = sizeof(float) * (kDecMaxRows * (HD + kChunk + 2)) +
-                                  sizeof(double) * 2 * kRopeMaxPairs + 2 * sizeof(KvT) * HD;
+                                  sizeof(double) * 2 * kRopeMaxPairs + 2 * sizeof(KvT) * HD + 2 * sizeof(float) * HD;
   static_assert(kDecST % kGroup == 0 && kChunk % kDecST == 0 && HD % kVec == 0, "decode shape");
 };
 
@@ -893,6 +894,8 @@ __global__ void __launch_bounds__(kAttnThreads) attn_decode_kernel(const AttnPar
   double* cs = reinterpret_cast<double*>(ml + 2 * kDecMaxRows);
   KvT* fk = reinterpret_cast<KvT*>(cs + 2 * kRopeMaxPairs);
   KvT* fv = fk + HD;
+  float* qn = reinterpret_cast<float*>(fv + HD);  // the fused step's norm weights
+  float* kn = qn + HD;
   SPECD_TRACE_DECL;
   SPECD_TRACE_MARK(0);
 
@@ -933,15 +936,21 @@ __global__ void __launch_bounds__(kAttnThreads) attn_decode_kernel(const AttnPar
     return ring + (size_t)buf(j / kDecST) * D::kBufElems + (j % kDecST) * D::kLd;
   };
 
-  if (P.fuse)
+  for (int i = 0; i < nb; ++i) issue(i);
+  if (P.fuse) {
     for (int i = tid; i < P.rs.n_dims / 2; i += kAttnThreads)
       rope_angle(P.base_freq, P.factors, pos0, i, cs[2 * i], cs[2 * i + 1]);
-  for (int i = 0; i < nb; ++i) issue(i);
-  __syncthreads();  // the angles
+    // the norm weights too (their loads, not the QKV product's, wait on memory the kernel
+    // before this one keeps busy)
+    for (int i = tid; i < P.hd; i += kAttnThreads) {
+      if (P.q_norm) qn[i] = P.q_norm[i];
+      if (P.k_norm) kn[i] = P.k_norm[i];
+    }
+  }
+  __syncthreads();  // the angles and norm weights
   gpu_grid_wait();  // (programmatic dependent launch: vendor.cuh) the QKV product is done
   gpu_grid_launch_dependents();
   SPECD_TRACE_MARK(1);
-  SPECD_TRACE_MARK(2);
 
   // ---- stage: q heads into qs; the new K / V row into fk / fv
   {
@@ -967,7 +976,7 @@ __global__ void __launch_bounds__(kAttnThreads) attn_decode_kernel(const AttnPar
           }
         };
         if (t <= R) {
-          rope_head<HD>(P.rs, x, is_q ? P.q_norm : P.k_norm, lane, angle, put);
+          rope_head<HD>(P.rs, x, is_q ? (P.q_norm ? qn : nullptr) : (P.k_norm ? kn : nullptr), lane, angle, put);
         } else {
 #pragma unroll
           for (int k = 0; k < HD / kGroup; ++k)
@@ -985,6 +994,8 @@ __global__ void __launch_bounds__(kAttnThreads) attn_decode_kernel(const AttnPar
       }
     }
   }
+
+  SPECD_TRACE_MARK(2);  // (the trace's "prep": the stage)
 
   // ---- phase 1: scores, sub-tile by sub-tile (all at once when the ring holds the chunk); an
   // item is (32 positions, one query head)
@@ -1009,6 +1020,7 @@ __global__ void __launch_bounds__(kAttnThreads) attn_decode_kernel(const AttnPar
 
   // ---- phase 2: m, p = exp(s - m), l per query head (a warp each)
   if (warp < R) chunk_softmax<true>(S + warp * kChunk, live, lane, ml + 2 * warp);
+  SPECD_TRACE_MARK(3);  // (the trace's "loop": phases 1 and 2; its "tail": phase 3 on)
 
   // ---- phase 3: o = sum_j p_j V_j, j ascending; thread -> dims d, d+1 of query heads
   // rs + kSlots3 * i
@@ -1060,7 +1072,6 @@ __global__ void __launch_bounds__(kAttnThreads) attn_decode_kernel(const AttnPar
   // ---- fold: the last of this KV head's chunks combines its query heads (as attn_chunk_kernel)
   // (the flag in ml, read above: fold_last's first barrier orders it)
   const int n_live = min(P.n_chunks - 1, pos0 / kChunk) + 1;
-  SPECD_TRACE_MARK(3);
   if (P.fold && n_live > 1 && fold_last(P.counters + g, n_live, reinterpret_cast<int*>(ml)))
     combine_rows(P, 0, g * R, R, reinterpret_cast<float*>(smem4));
   SPECD_TRACE_RECORD(kTraceAttnDecode, (unsigned long long)(uintptr_t)P.out);

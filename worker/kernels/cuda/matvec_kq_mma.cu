@@ -23,7 +23,7 @@
 // runs 16 warps of at most 128 registers), each loading its chunks' bytes straight from global
 // memory one chunk ahead (Q8_0: three; the stream runs on into the CTA's next tile), and meet
 // in shared memory at the tile's end.
-// x is turned into digits once per call (digits_kernel: one CTA per row, into the workspace:
+// x is turned into digits once per call (digits_kernel: a CTA per 1024 elements of a row, into the workspace:
 // 3 bytes per element plus a grid step and a sum per 32-element block, laid out as the CTAs'
 // shared memory wants it); each CTA copies its NX rows' image into shared memory (NX (3.25 K +
 // 512 MT) bytes with the partial sums: K up to ~4096 for 16 rows on a 227 KiB device) or, when
@@ -384,56 +384,61 @@ struct Mq<GgmlType::Q8_0, MT> {
 
 #endif  // SPECD_MMA
 
-// Row blockIdx.x of x (times the norm weight) in digits, into its tile's image (row r % NX of
-// tile r / NX), as matvec_kq.cu's prep_digits computes them (cuda/digits.cuh: thread t takes
-// the units of 4 elements t, t + 256, ..., 8 consecutive threads a 32-element block); inv_r
-// from the row's sum of squares in the same per-thread unit order and block_sum, so every
-// value is the float the direct reader uses. Once per call, shared by its launches.
+// Units (4 elements) s 256 + threadIdx.x of row blockIdx.x of x (times the norm weight) in
+// digits, s = blockIdx.y, into its tile's image (row r % NX of tile r / NX), as matvec_kq.cu's
+// prep_digits computes them (cuda/digits.cuh: 8 consecutive threads a 32-element block): one
+// unit a thread, so that a call's digits take one round of loads on n K / 1024 CTAs rather
+// than K / 1024 rounds on n (16 CTAs for a verify: 3 and 8 us at K = 4096 and 12288 on the
+// H200). CTA 0 of a row also takes inv_r from the row's sum of squares in the direct reader's
+// per-thread unit order (units t, t + 256, ..., ascending) and block_sum, so every value is the
+// float the direct reader uses. Once per call, shared by its launches.
 template <int NX>
 __global__ void __launch_bounds__(kThreads) digits_kernel(const MmaParams p) {
   __shared__ float red[kGroup];
   SPECD_TRACE_DECL;
   SPECD_TRACE_MARK(0);
+  const int64_t K = p.K;
+  const int units = (int)(K / 4), r = (int)blockIdx.x % NX;
+  const int u = (int)blockIdx.y * kThreads + (int)threadIdx.x;
+  const float4* x = reinterpret_cast<const float4*>(p.x + (int64_t)blockIdx.x * K);
+  const float4* nw = reinterpret_cast<const float4*>(p.norm_w);
+  // the norm weights (not the kernel before's output) are loaded before the wait
+  float4 n = make_float4(1.f, 1.f, 1.f, 1.f);
+  if (u < units && nw != nullptr) n = __ldg(nw + u);
   gpu_grid_wait();
   gpu_grid_launch_dependents();
   SPECD_TRACE_MARK(1);
-  constexpr int C = kPrepUnits;  // units in flight (digits.cuh; here with the norm too: registers allow)
-  const int64_t K = p.K;
-  const int units = (int)(K / 4), r = (int)blockIdx.x % NX;
-  uint8_t* img = p.img + (size_t)(blockIdx.x / NX) * (size_t)p.img_bytes;
-  float* meta = reinterpret_cast<float*>(img + 3 * (size_t)(K * NX));
-  const float4* x = reinterpret_cast<const float4*>(p.x + (int64_t)blockIdx.x * K);
-  float ss = 0.f;
-  for (int i0 = 0; i0 * kThreads < units; i0 += C) {  // (uniform trip count: whole groups shuffle)
-    float4 a[C], n[C];
-#pragma unroll
-    for (int c = 0; c < C; ++c) {
-      if ((i0 + c) * kThreads >= units) break;  // (uniform: no thread of the CTA has unit c)
-      const int u = (i0 + c) * kThreads + (int)threadIdx.x;
-      n[c] = make_float4(1.f, 1.f, 1.f, 1.f);
-      if (u < units && p.norm_w != nullptr) n[c] = __ldg(reinterpret_cast<const float4*>(p.norm_w) + u);
-      a[c] = u < units ? __ldg(x + u) : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-#pragma unroll
-    for (int c = 0; c < C; ++c) {
-      if ((i0 + c) * kThreads >= units) break;  // (uniform: no thread of the CTA has unit c)
-      const int u = (i0 + c) * kThreads + (int)threadIdx.x;
-      if (p.norm_w != nullptr && u < units) ss = add_squares(a[c], ss);
-      const Digits4 d = block_digits4(a[c], n[c]);
-      if (u < units) {
-        uint8_t* at = seg_ptr<NX>(img, K, 0, u >> 2, r) + 4 * (u & 3);
-        *reinterpret_cast<uint32_t*>(at) = d.d0;
-        *reinterpret_cast<uint32_t*>(at + (size_t)(K * NX)) = d.d1;
-        *reinterpret_cast<uint32_t*>(at + 2 * (size_t)(K * NX)) = d.d2;
-        if ((u & 7) == 0) *reinterpret_cast<float2*>(meta + 2 * ((u >> 3) * NX + r)) = make_float2(d.xsb, (float)d.sum * d.xsb);
-      }
-    }
+  const float4 a = u < units ? __ldg(x + u) : make_float4(0.f, 0.f, 0.f, 0.f);
+  const Digits4 d = block_digits4(a, n);  // (every thread: whole groups shuffle)
+  if (u < units) {
+    uint8_t* img = p.img + (size_t)(blockIdx.x / NX) * (size_t)p.img_bytes;
+    float* meta = reinterpret_cast<float*>(img + 3 * (size_t)(K * NX));
+    uint8_t* at = seg_ptr<NX>(img, K, 0, u >> 2, r) + 4 * (u & 3);
+    *reinterpret_cast<uint32_t*>(at) = d.d0;
+    *reinterpret_cast<uint32_t*>(at + (size_t)(K * NX)) = d.d1;
+    *reinterpret_cast<uint32_t*>(at + 2 * (size_t)(K * NX)) = d.d2;
+    if ((u & 7) == 0) *reinterpret_cast<float2*>(meta + 2 * ((u >> 3) * NX + r)) = make_float2(d.xsb, (float)d.sum * d.xsb);
   }
-  if (p.norm_w != nullptr) {
-    const float tot = block_sum(ss, red);
-    if (threadIdx.x == 0) p.inv[blockIdx.x] = rsqrtf(tot / (float)K + p.eps);
-  } else if (threadIdx.x == 0) {
-    p.inv[blockIdx.x] = 1.f;
+  if (blockIdx.y == 0) {
+    if (nw != nullptr) {
+      constexpr int C = kPrepUnits;  // units in flight (digits.cuh)
+      float ss = 0.f;
+      for (int i0 = 0; i0 * kThreads < units; i0 += C) {
+        float4 v[C];
+#pragma unroll
+        for (int c = 0; c < C; ++c) {
+          const int w = (i0 + c) * kThreads + (int)threadIdx.x;
+          if (w < units) v[c] = c == 0 && i0 == 0 ? a : __ldg(x + w);
+        }
+#pragma unroll
+        for (int c = 0; c < C; ++c)
+          if ((i0 + c) * kThreads + (int)threadIdx.x < units) ss = add_squares(v[c], ss);
+      }
+      const float tot = block_sum(ss, red);
+      if (threadIdx.x == 0) p.inv[blockIdx.x] = rsqrtf(tot / (float)K + p.eps);
+    } else if (threadIdx.x == 0) {
+      p.inv[blockIdx.x] = 1.f;
+    }
   }
   SPECD_TRACE_MARK(2);
   SPECD_TRACE_MARK(3);
@@ -520,16 +525,51 @@ __global__ void __launch_bounds__(kThreads * H, 1) kq_mma_kernel(const MmaParams
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
           for (int e = 0; e < 4; ++e) acc[q][mt][nt][e] = 0.f;
-    for (int j0 = 0; j0 < nj; j0 += 4) {
+    // (not Q6_K with x read through L1: the swapped loop spills there, 276 bytes a thread at 16
+    // warps, and the 8B's verify(16) was 0.8 % slower on the H200)
+    constexpr bool kSwap = PD == 2 && !(G && T == GgmlType::Q6_K);
+    if constexpr (kSwap) {
+      // cur and nxt swap roles every step (by name: no chunk is copied, so a step waits for
+      // its chunk's loads where it first uses them, not at a copy), four steps a round; the
+      // last nj % 4 steps after the rounds, leaving the stream's next chunk in cur
+      auto take = [&](typename R::Chunk& now, typename R::Chunk& next, int j, float(&aq)[MW][NT][4]) {
+        fetch(next);
+        R::template step<NT, G>(now, warp + kWarps * j, dig, meta, K, g, t, aq);
+      };
+      int j0 = 0;
+      for (; j0 + 4 <= nj; j0 += 4) {
+        take(cur, nxt, j0, acc[0]);
+        take(nxt, cur, j0 + 1, acc[1]);
+        take(cur, nxt, j0 + 2, acc[2]);
+        take(nxt, cur, j0 + 3, acc[3]);
+      }
+      const int rest = nj - j0;  // (uniform over the warp)
+      if (rest >= 2) {
+        take(cur, nxt, j0, acc[0]);
+        take(nxt, cur, j0 + 1, acc[1]);
+      }
+      if (rest == 1) {
+        take(cur, nxt, j0, acc[0]);
+        cur = nxt;
+      } else if (rest == 3) {
+        take(cur, nxt, j0 + 2, acc[2]);
+        cur = nxt;
+      }
+    } else if constexpr (PD == 2) {
+      for (int j0 = 0; j0 < nj; j0 += 4) {
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        if constexpr (PD == 2) {
+        for (int q = 0; q < 4; ++q) {
           if (j0 + q < nj) {  // (uniform over the warp)
             fetch(nxt);
             R::template step<NT, G>(cur, warp + kWarps * (j0 + q), dig, meta, K, g, t, acc[q]);
             cur = nxt;
           }
-        } else {
+        }
+      }
+    } else {
+      for (int j0 = 0; j0 < nj; j0 += 4) {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
           fetch(ring[(q + 3) % 4]);  // (uniform over the warp, both)
           if (j0 + q < nj) R::template step<NT, G>(ring[q], warp + kWarps * (j0 + q), dig, meta, K, g, t, acc[q]);
         }
@@ -673,8 +713,9 @@ bool kq_mma_linear(const LinearArgs& a, gpuStream_t s) {
   base.img = static_cast<uint8_t*>(a.work);
   base.img_bytes = (int64_t)image_bytes(K, nx);
   base.inv = reinterpret_cast<float*>(base.img + (size_t)ceil_div(a.n, (int64_t)nx) * image_bytes(K, nx));
-  if (nt == 1) gpu_launch("kq_mma_digits", digits_kernel<8>, dim3((unsigned)a.n), dim3(kThreads), 0, s, base);
-  else gpu_launch("kq_mma_digits", digits_kernel<16>, dim3((unsigned)a.n), dim3(kThreads), 0, s, base);
+  const dim3 dgrid((unsigned)a.n, (unsigned)ceil_div(K / 4, (int64_t)kThreads));
+  if (nt == 1) gpu_launch("kq_mma_digits", digits_kernel<8>, dgrid, dim3(kThreads), 0, s, base);
+  else gpu_launch("kq_mma_digits", digits_kernel<16>, dgrid, dim3(kThreads), 0, s, base);
   const int64_t sms = dev_limits().sms;
   for (GgmlType type : {GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0}) {
     MmaParams p;

@@ -14,7 +14,9 @@
 //                                                  kq_mma_kernel also ^ its weight type << 40)
 //   7: gridDim.x | gridDim.y << 32
 // Records of one launch share (tag, key, grid); tools/device/trace_decode.py reads them. A
-// kernel with no x preparation or loop of its own sets marks 2 and 3 where it ends; a CTA
+// kernel with no x preparation or loop of its own sets marks 2 and 3 where it ends, except
+// attn_decode_kernel: mark 2 after its stage (the query heads normed and roped, the new K / V
+// row), mark 3 after its scores and softmax (so its "tail" is the weighted sum of V); a CTA
 // that returns early (an attention CTA with no live item) writes no record.
 #pragma once
 #include <cstdint>
