@@ -759,10 +759,9 @@ struct DecShape {
   static constexpr size_t kBufElems = (size_t)kDecST * kLd;
   static constexpr size_t kBuf = kBufElems * sizeof(KvT);
   // after the ring: qs [kDecMaxRows, HD] | S [kDecMaxRows, 256] | ml [kDecMaxRows, 2] (floats)
-  //   | angles [kRopeMaxPairs, 2] (double) | new K row, new V row [HD] (KvT) | q_norm, k_norm
-  //   [HD] (floats)
+  //   | angles [kRopeMaxPairs, 2] (double) | new K row, new V row [HD] (KvT)
   static constexpr size_t kTail = sizeof(float) * (kDecMaxRows * (HD + kChunk + 2)) +
-                                  sizeof(double) * 2 * kRopeMaxPairs + 2 * sizeof(KvT) * HD + 2 * sizeof(float) * HD;
+                                  sizeof(double) * 2 * kRopeMaxPairs + 2 * sizeof(KvT) * HD;
   static_assert(kDecST % kGroup == 0 && kChunk % kDecST == 0 && HD % kVec == 0, "decode shape");
 };
 
@@ -894,8 +893,6 @@ __global__ void __launch_bounds__(kAttnThreads) attn_decode_kernel(const AttnPar
   double* cs = reinterpret_cast<double*>(ml + 2 * kDecMaxRows);
   KvT* fk = reinterpret_cast<KvT*>(cs + 2 * kRopeMaxPairs);
   KvT* fv = fk + HD;
-  float* qn = reinterpret_cast<float*>(fv + HD);  // the fused step's norm weights
-  float* kn = qn + HD;
   SPECD_TRACE_DECL;
   SPECD_TRACE_MARK(0);
 
@@ -936,18 +933,11 @@ __global__ void __launch_bounds__(kAttnThreads) attn_decode_kernel(const AttnPar
     return ring + (size_t)buf(j / kDecST) * D::kBufElems + (j % kDecST) * D::kLd;
   };
 
-  for (int i = 0; i < nb; ++i) issue(i);
-  if (P.fuse) {
+  if (P.fuse)
     for (int i = tid; i < P.rs.n_dims / 2; i += kAttnThreads)
       rope_angle(P.base_freq, P.factors, pos0, i, cs[2 * i], cs[2 * i + 1]);
-    // the norm weights too (their loads, not the QKV product's, wait on memory the kernel
-    // before this one keeps busy)
-    for (int i = tid; i < P.hd; i += kAttnThreads) {
-      if (P.q_norm) qn[i] = P.q_norm[i];
-      if (P.k_norm) kn[i] = P.k_norm[i];
-    }
-  }
-  __syncthreads();  // the angles and norm weights
+  for (int i = 0; i < nb; ++i) issue(i);
+  __syncthreads();  // the angles
   gpu_grid_wait();  // (programmatic dependent launch: vendor.cuh) the QKV product is done
   gpu_grid_launch_dependents();
   SPECD_TRACE_MARK(1);
@@ -976,7 +966,7 @@ __global__ void __launch_bounds__(kAttnThreads) attn_decode_kernel(const AttnPar
           }
         };
         if (t <= R) {
-          rope_head<HD>(P.rs, x, is_q ? (P.q_norm ? qn : nullptr) : (P.k_norm ? kn : nullptr), lane, angle, put);
+          rope_head<HD>(P.rs, x, is_q ? P.q_norm : P.k_norm, lane, angle, put);
         } else {
 #pragma unroll
           for (int k = 0; k < HD / kGroup; ++k)
