@@ -529,6 +529,8 @@ MMA_CASES = {
     "q4k-k4096": ((T.Q4_K,) * 3, 4096, (130, 40, 33)),   # 16 rows of x: ~224 KiB of digits
     "q4k-k256": ((T.Q4_K,) * 3, 256, (70, 9001, 9)),     # 4 chunks: quads 4..7 hold no class
     "q4k-k2304": ((T.Q4_K,) * 3, 2304, (90, 31, 64)),    # 36 chunks: quads of 5 and 4
+    "q4k-k1536": ((T.Q4_K,) * 3, 1536, (130, 40, 33)),   # 24 chunks: quads of 3 (a round's last 3 steps)
+    "q6k-k3584": ((T.Q6_K,) * 3, 3584, (64, 33, 5)),     # 56 chunks: quads of 7 (a round, then 3)
     "q6k-k2048": ((T.Q6_K,) * 3, 2048, (17, 5001, 32)),
     "q6k-k4096": ((T.Q6_K,) * 3, 4096, (64, 33, 5)),
     "q6k-k1024": ((T.Q6_K,) * 3, 1024, (64, 5001, 5)),   # 840-byte rows (8 mod 16)
