@@ -23,11 +23,11 @@
 // runs 16 warps of at most 128 registers), each loading its chunks' bytes straight from global
 // memory one chunk ahead (Q8_0: three; the stream runs on into the CTA's next tile), and meet
 // in shared memory at the tile's end.
-// x is turned into digits once per call (digits_kernel: a CTA per 1024 elements of a row, into the workspace:
-// 3 bytes per element plus a grid step and a sum per 32-element block, laid out as the CTAs'
-// shared memory wants it); each CTA copies its NX rows' image into shared memory (NX (3.25 K +
-// 512 MT) bytes with the partial sums: K up to ~4096 for 16 rows on a 227 KiB device) or, when
-// that does not fit, reads it through L1 (the 8B's down projection, K = 12288).
+// x is turned into digits once per call (digits_kernel: a CTA per 1024 elements of a row, into
+// the workspace: 3 bytes per element plus a grid step and a sum per 32-element block, laid out
+// as the CTAs' shared memory wants it); each CTA copies its NX rows' image into shared memory
+// (NX (3.25 K + 512 MT) bytes with the partial sums: K up to ~4096 for 16 rows on a 227 KiB
+// device) or, when that does not fit, reads it through L1 (the 8B's down projection, K = 12288).
 //
 // Lane (g = lane / 4, t = lane % 4) of a warp: weight rows g, g + 8 of each m-tile, x rows
 // 2t, 2t + 1 of each n-tile (the D fragment). The MMA's k-slots are a permutation of a run's
