@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# A change measured side by side with the code before it, in one device call (tools/device: the
+# GPU machine, from the repo root; carry .whl, from tools/device/stack_wheels.sh, and .device).
+#
+#   off the device:  git diff BASE -- worker > .device/base.patch
+#   on the device:   OUT=$OUT bash tools/device/ab_call.sh [VARIANT ...]
+#
+# Steps, each under its own timeout, logged with the seconds since the start:
+#   1. the carried wheels into /tmp/site (PYTHONPATH);
+#   2. at once: the models ($MODELS: tools/gen_gguf.py's "shape TYPE" pairs, default the 8B Q4_K_M
+#      and the 0.6B Q8_0 / Q4_K_M) into /dev/shm/m; the base (tools/device/build_base.sh with
+#      .device/base.patch, in /tmp/base); the working tree (build/dev-gpu); with TRACE=1 a trace
+#      build of it (build/dev-trace); and the EXTRA builds ("NAME:CUDAFLAGS ...", build/dev-NAME);
+#      the cores are shared between the builds;
+#   3. unless TESTS is empty: pytest -q -x $TESTS (default tests/gpu) on the working tree's build;
+#   4. tools/device/fwd_variants.py $OUT/ab.json over the models: the base, the working tree, then
+#      each VARIANT ("VAR=VALUE;VAR=VALUE" for the working tree's build with those settings,
+#      "build:NAME" for an EXTRA build); REPEAT=1 runs the base and the working tree twice, to
+#      show the noise;
+#   5. with TRACE=1: tools/device/trace_decode.py on the first model, one position and 16
+#      ($OUT/trace-n1.json, $OUT/trace-n16.json).
+# Builds keep their logs in /tmp/build-NAME.log (the last lines of a failed one are printed).
+# The whole run stays within the device's 600 s a call only with few models and variants: about
+# 75 s to build, 60 s of tests, ~10 s per 0.6B variant and ~25 s per 8B one, ~15 s per trace.
+set -uo pipefail
+cd "$(dirname "$0")/../.." || exit 1
+: "${OUT:?set OUT to the folder the results go to}"
+T0=$(date +%s)
+say() { echo "[ab_call t=$(($(date +%s) - T0))s] $*"; }
+
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 SPECD_NATIVE_DIR=$PWD/build/dev-gpu
+read -r -a models <<< "${MODELS:-qwen3-8b Q4_K_M qwen3-0.6b Q8_0 qwen3-0.6b Q4_K_M}"
+paths=()
+for ((i = 0; i + 1 < ${#models[@]}; i += 2)); do paths+=("/dev/shm/m/${models[i]}-${models[i + 1]}.random.gguf"); done
+read -r -a extra <<< "${EXTRA:-}"
+builds=$((2 + ${TRACE:-0} + ${#extra[@]}))
+jobs=$(( $(nproc) / builds > 1 ? $(nproc) / builds : 1 ))
+
+build() {  # NAME CUDAFLAGS: the working tree into build/dev-NAME
+  CUDAFLAGS="$2" SPECD_BACKEND=cuda SPECD_CUDA_ARCHITECTURES=90a-real JOBS=$jobs \
+    timeout 300 bash tools/dev_build.sh "$1" > "/tmp/build-$1.log" 2>&1 ||
+    { tail -20 "/tmp/build-$1.log"; echo "ab_call: build $1 failed"; }
+}
+say "models ${models[*]}; $builds builds of $jobs jobs"
+timeout 240 python3 tools/gen_gguf.py -q -o /dev/shm/m "${models[@]}" > /tmp/gen.log 2>&1 &
+(JOBS=$jobs timeout 300 bash tools/device/build_base.sh .device/base.patch /tmp/base > /tmp/build-base.log 2>&1 ||
+  { tail -20 /tmp/build-base.log; echo "ab_call: the base build failed"; }) &
+build gpu "" &
+[ "${TRACE:-0}" = 1 ] && build trace "-DSPECD_GPU_TRACE=1" &
+for e in "${extra[@]}"; do build "${e%%:*}" "${e#*:}" & done
+wait
+say "built"
+
+if [ -n "${TESTS-tests/gpu}" ]; then
+  read -r -a tests <<< "${TESTS-tests/gpu}"
+  timeout 200 python3 -m pytest -q -x "${tests[@]}" 2>&1 | tail -3
+  say "tested"
+fi
+
+variants=("SPECD_NATIVE_DIR=/tmp/base/build/dev-base" "")
+[ "${REPEAT:-0}" = 1 ] && variants+=("SPECD_NATIVE_DIR=/tmp/base/build/dev-base" "")
+for v in "$@"; do
+  if [[ "$v" == build:* ]]; then variants+=("SPECD_NATIVE_DIR=$PWD/build/dev-${v#build:}"); else variants+=("$v"); fi
+done
+timeout 300 python3 tools/device/fwd_variants.py "$OUT/ab.json" "${paths[@]}" -- "${variants[@]}" 2>&1 | grep -E "fwd1|Error|error"
+say "forwards timed"
+
+if [ "${TRACE:-0}" = 1 ]; then
+  for n in 1 16; do
+    SPECD_NATIVE_DIR=$PWD/build/dev-trace timeout 90 python3 tools/device/trace_decode.py "${paths[0]}" --n $n \
+      --json "$OUT/trace-n$n.json" 2>&1 | tail -14
+  done
+  say "traced"
+fi
