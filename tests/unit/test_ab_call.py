@@ -1,0 +1,65 @@
+"""tools/device/ab_call.sh, the one-call A/B on the GPU machine, run here with every tool it calls
+replaced by a stub that records its arguments: which builds it makes (and with which flags),
+which models it writes, and the variants it hands fwd_variants.py, in order."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from helpers.tools import ROOT
+
+STUBS = {
+    # each stub appends one line: its name and arguments (and the settings that matter)
+    "tools/dev_build.sh": 'echo "dev_build $1 [$CUDAFLAGS]" >> "$LOG"; mkdir -p "build/dev-$1"\n',
+    "tools/device/build_base.sh": 'echo "build_base $1 $2" >> "$LOG"\n',
+    "tools/gen_gguf.py": 'import os, sys\nopen(os.environ["LOG"], "a").write("gen " + " ".join(sys.argv[1:]) + "\\n")\n',
+    "tools/device/fwd_variants.py": ('import os, sys\nopen(os.environ["LOG"], "a").write("fwd " + "|".join(sys.argv[1:]) + "\\n")\n'
+                                     'print("fwd1 stub")\n'),
+    "tools/device/trace_decode.py": ('import os, sys\nopen(os.environ["LOG"], "a").write('
+                                     '"trace " + " ".join(sys.argv[1:]) + " " + os.environ["SPECD_NATIVE_DIR"] + "\\n")\n'),
+}
+
+
+def run(tmp_path: Path, args: list[str], **env: str) -> list[str]:
+    tree = tmp_path / "tree"
+    (tree / "tools" / "device").mkdir(parents=True)
+    (tree / ".whl").mkdir()
+    shutil.copy(ROOT / "tools" / "device" / "ab_call.sh", tree / "tools" / "device" / "ab_call.sh")
+    for rel, text in STUBS.items():
+        (tree / rel).write_text(text)
+    log = tmp_path / "calls.log"
+    full = {**os.environ, "OUT": str(tmp_path / "out"), "LOG": str(log), **env}
+    done = subprocess.run(["bash", "tools/device/ab_call.sh", *args], cwd=tree, env=full, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return sorted(log.read_text().splitlines())
+
+
+def test_builds_models_variants_and_traces(tmp_path: Path) -> None:
+    calls = run(tmp_path, ["SPECD_GPU_X=1;SPECD_Y=2", "build:x"], TRACE="1", TESTS="", REPEAT="1",
+                EXTRA="x:-DFOO=1", MODELS="qwen3-0.6b Q8_0 qwen3-8b Q4_K_M")
+    tree = tmp_path / "tree"
+    m06, m8 = "/dev/shm/m/qwen3-0.6b-Q8_0.random.gguf", "/dev/shm/m/qwen3-8b-Q4_K_M.random.gguf"
+    base = "SPECD_NATIVE_DIR=/tmp/base/build/dev-base"
+    assert calls == sorted([
+        "build_base .device/base.patch /tmp/base",
+        "dev_build gpu []",
+        "dev_build trace [-DSPECD_GPU_TRACE=1]",
+        "dev_build x [-DFOO=1]",
+        "gen -q -o /dev/shm/m qwen3-0.6b Q8_0 qwen3-8b Q4_K_M",
+        # the base, the tree (twice with REPEAT=1), then the arguments; "build:x" names x's build
+        "fwd " + "|".join([str(tmp_path / "out" / "ab.json"), m06, m8, "--", base, "", base, "",
+                           "SPECD_GPU_X=1;SPECD_Y=2", f"SPECD_NATIVE_DIR={tree}/build/dev-x"]),
+        f"trace {m06} --n 1 --json {tmp_path}/out/trace-n1.json {tree}/build/dev-trace",
+        f"trace {m06} --n 16 --json {tmp_path}/out/trace-n16.json {tree}/build/dev-trace",
+    ])
+
+
+def test_defaults_build_base_and_tree_only(tmp_path: Path) -> None:
+    calls = run(tmp_path, [], TESTS="")
+    assert [c.split()[0] for c in calls] == ["build_base", "dev_build", "fwd", "gen"]
+    assert "gen -q -o /dev/shm/m qwen3-8b Q4_K_M qwen3-0.6b Q8_0 qwen3-0.6b Q4_K_M" in calls
+    fwd = next(c for c in calls if c.startswith("fwd ")).split("|")
+    assert fwd[-3:] == ["--", "SPECD_NATIVE_DIR=/tmp/base/build/dev-base", ""]
