@@ -12,7 +12,9 @@ from helpers.tools import ROOT
 
 STUBS = {
     # each stub appends one line: its name and arguments (and the settings that matter)
-    "tools/dev_build.sh": 'echo "dev_build $1 [$CUDAFLAGS]" >> "$LOG"; mkdir -p "build/dev-$1"\n',
+    # (and the marker a patched tree holds: see test_patched_extra_build)
+    "tools/dev_build.sh": ('m=$(cat PATCHED 2>/dev/null); echo "dev_build $1 [$CUDAFLAGS]${m:+ $m}" >> "$LOG"; '
+                           'mkdir -p "build/dev-$1"\n'),
     "tools/device/build_base.sh": 'echo "build_base $1 $2" >> "$LOG"\n',
     "tools/gen_gguf.py": 'import os, sys\nopen(os.environ["LOG"], "a").write("gen " + " ".join(sys.argv[1:]) + "\\n")\n',
     "tools/device/fwd_variants.py": ('import os, sys\nopen(os.environ["LOG"], "a").write("fwd " + "|".join(sys.argv[1:]) + "\\n")\n'
@@ -22,10 +24,14 @@ STUBS = {
 }
 
 
-def run(tmp_path: Path, args: list[str], **env: str) -> list[str]:
+def run(tmp_path: Path, args: list[str], files: dict[str, str] | None = None, printed: list[str] | None = None,
+        **env: str) -> list[str]:
     tree = tmp_path / "tree"
     (tree / "tools" / "device").mkdir(parents=True)
     (tree / ".whl").mkdir()
+    for rel, text in (files or {}).items():
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tree / rel).write_text(text)
     shutil.copy(ROOT / "tools" / "device" / "ab_call.sh", tree / "tools" / "device" / "ab_call.sh")
     for rel, text in STUBS.items():
         (tree / rel).write_text(text)
@@ -34,6 +40,8 @@ def run(tmp_path: Path, args: list[str], **env: str) -> list[str]:
     done = subprocess.run(["bash", "tools/device/ab_call.sh", *args], cwd=tree, env=full, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr
+    if printed is not None:
+        printed.append(done.stdout)
     return sorted(log.read_text().splitlines())
 
 
@@ -63,3 +71,34 @@ def test_defaults_build_base_and_tree_only(tmp_path: Path) -> None:
     assert "gen -q -o /dev/shm/m qwen3-8b Q4_K_M qwen3-0.6b Q8_0 qwen3-0.6b Q4_K_M" in calls
     fwd = next(c for c in calls if c.startswith("fwd ")).split("|")
     assert fwd[-3:] == ["--", "SPECD_NATIVE_DIR=/tmp/base/build/dev-base", ""]
+
+
+# a patch that adds the file PATCHED (its text: "patched") at the tree's root
+ADD_MARKER = """--- /dev/null
++++ b/PATCHED
+@@ -0,0 +1 @@
++patched
+"""
+
+
+def test_patched_extra_build(tmp_path: Path) -> None:
+    """An EXTRA build "NAME:@PATCH" is the working tree with PATCH applied, built in a copy under
+    AB_TMP (the working tree itself stays unpatched), and "build:NAME" runs that build."""
+    ab_tmp = tmp_path / "ab"
+    calls = run(tmp_path, ["build:p", "build:f"], files={".device/p.patch": ADD_MARKER}, TESTS="",
+                EXTRA="p:@.device/p.patch f:-DF=1", AB_TMP=str(ab_tmp))
+    tree = tmp_path / "tree"
+    assert "dev_build p [] patched" in calls and "dev_build f [-DF=1]" in calls and "dev_build gpu []" in calls
+    assert not (tree / "PATCHED").exists() and (ab_tmp / "p" / "PATCHED").read_text() == "patched\n"
+    assert (ab_tmp / "p" / "build" / "dev-p").is_dir() and not (ab_tmp / "p" / ".git").exists()
+    fwd = next(c for c in calls if c.startswith("fwd ")).split("|")
+    assert fwd[-2:] == [f"SPECD_NATIVE_DIR={ab_tmp}/p/build/dev-p", f"SPECD_NATIVE_DIR={tree}/build/dev-f"]
+
+
+def test_patch_that_does_not_apply_is_reported(tmp_path: Path) -> None:
+    bad = "--- a/MISSING\n+++ b/MISSING\n@@ -1 +1 @@\n-old\n+new\n"  # (a file the tree lacks)
+    printed: list[str] = []
+    calls = run(tmp_path, [], files={".device/bad.patch": bad}, TESTS="", EXTRA="b:@.device/bad.patch",
+                AB_TMP=str(tmp_path / "ab"), printed=printed)
+    assert not any(c.startswith("dev_build b") for c in calls)
+    assert "ab_call: .device/bad.patch does not apply to the working tree" in printed[0]

@@ -10,12 +10,15 @@
 #   2. at once: the models ($MODELS: tools/gen_gguf.py's "shape TYPE" pairs, default the 8B Q4_K_M
 #      and the 0.6B Q8_0 / Q4_K_M) into /dev/shm/m; the base (tools/device/build_base.sh with
 #      .device/base.patch, in /tmp/base); the working tree (build/dev-gpu); with TRACE=1 a trace
-#      build of it (build/dev-trace); and the EXTRA builds ("NAME:CUDAFLAGS ...", build/dev-NAME);
-#      the cores are shared between the builds;
+#      build of it (build/dev-trace); and the EXTRA builds, each "NAME:CUDAFLAGS" (the working
+#      tree with those flags, build/dev-NAME) or "NAME:@PATCH" (the working tree with PATCH, a
+#      path from the repo root such as .device/x.patch, applied in a copy: $AB_TMP/NAME, its
+#      build in $AB_TMP/NAME/build/dev-NAME; AB_TMP defaults to /tmp); the cores are shared
+#      between the builds;
 #   3. unless TESTS is empty: pytest -q -x $TESTS (default tests/gpu) on the working tree's build;
 #   4. tools/device/fwd_variants.py $OUT/ab.json over the models: the base, the working tree, then
 #      each VARIANT ("VAR=VALUE;VAR=VALUE" for the working tree's build with those settings,
-#      "build:NAME" for an EXTRA build); REPEAT=1 runs the base and the working tree twice, to
+#      "build:NAME" for the EXTRA build NAME); REPEAT=1 runs the base and the working tree twice, to
 #      show the noise;
 #   5. with TRACE=1: tools/device/trace_decode.py on the first model, one position and 16
 #      ($OUT/trace-n1.json, $OUT/trace-n16.json).
@@ -25,6 +28,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 : "${OUT:?set OUT to the folder the results go to}"
+AB_TMP="${AB_TMP:-/tmp}"
 T0=$(date +%s)
 say() { echo "[ab_call t=$(($(date +%s) - T0))s] $*"; }
 
@@ -37,10 +41,16 @@ read -r -a extra <<< "${EXTRA:-}"
 builds=$((2 + ${TRACE:-0} + ${#extra[@]}))
 jobs=$(( $(nproc) / builds > 1 ? $(nproc) / builds : 1 ))
 
-build() {  # NAME CUDAFLAGS: the working tree into build/dev-NAME
+build() {  # NAME CUDAFLAGS: the tree in the current folder into build/dev-NAME
   CUDAFLAGS="$2" SPECD_BACKEND=cuda SPECD_CUDA_ARCHITECTURES=90a-real JOBS=$jobs \
     timeout 300 bash tools/dev_build.sh "$1" > "/tmp/build-$1.log" 2>&1 ||
     { tail -20 "/tmp/build-$1.log"; echo "ab_call: build $1 failed"; }
+}
+build_patched() {  # NAME PATCH: a copy of the working tree with PATCH applied, built there
+  local dir="$AB_TMP/$1"
+  rm -rf "$dir" && mkdir -p "$dir" && tar --exclude=./build --exclude=./.git -cf - . | tar -xf - -C "$dir" &&
+    patch -s -p1 -d "$dir" < "$2" || { echo "ab_call: $2 does not apply to the working tree"; return; }
+  (cd "$dir" && build "$1" "")
 }
 say "models ${models[*]}; $builds builds of $jobs jobs"
 timeout 240 python3 tools/gen_gguf.py -q -o /dev/shm/m "${models[@]}" > /tmp/gen.log 2>&1 &
@@ -48,7 +58,17 @@ timeout 240 python3 tools/gen_gguf.py -q -o /dev/shm/m "${models[@]}" > /tmp/gen
   { tail -20 /tmp/build-base.log; echo "ab_call: the base build failed"; }) &
 build gpu "" &
 [ "${TRACE:-0}" = 1 ] && build trace "-DSPECD_GPU_TRACE=1" &
-for e in "${extra[@]}"; do build "${e%%:*}" "${e#*:}" & done
+declare -A where=()  # EXTRA build NAME -> the folder holding its build/dev-NAME
+for e in "${extra[@]}"; do
+  name="${e%%:*}" spec="${e#*:}"
+  if [[ "$spec" == @* ]]; then
+    where[$name]="$AB_TMP/$name"
+    build_patched "$name" "${spec#@}" &
+  else
+    where[$name]="$PWD"
+    build "$name" "$spec" &
+  fi
+done
 wait
 say "built"
 
@@ -61,7 +81,12 @@ fi
 variants=("SPECD_NATIVE_DIR=/tmp/base/build/dev-base" "")
 [ "${REPEAT:-0}" = 1 ] && variants+=("SPECD_NATIVE_DIR=/tmp/base/build/dev-base" "")
 for v in "$@"; do
-  if [[ "$v" == build:* ]]; then variants+=("SPECD_NATIVE_DIR=$PWD/build/dev-${v#build:}"); else variants+=("$v"); fi
+  if [[ "$v" == build:* ]]; then
+    name="${v#build:}"
+    variants+=("SPECD_NATIVE_DIR=${where[$name]:-$PWD}/build/dev-$name")
+  else
+    variants+=("$v")
+  fi
 done
 timeout 300 python3 tools/device/fwd_variants.py "$OUT/ab.json" "${paths[@]}" -- "${variants[@]}" 2>&1 | grep -E "fwd1|Error|error"
 say "forwards timed"
