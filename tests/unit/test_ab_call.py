@@ -84,6 +84,7 @@ ADD_MARKER = """--- /dev/null
 def test_patched_extra_build(tmp_path: Path) -> None:
     """An EXTRA build "NAME:@PATCH" is the working tree with PATCH applied, built in a copy under
     AB_TMP (the working tree itself stays unpatched), and "build:NAME" runs that build."""
+    assert shutil.which("patch"), "ab_call.sh's patched builds need the patch program (apt-get install patch)"
     ab_tmp = tmp_path / "ab"
     calls = run(tmp_path, ["build:p", "build:f"], files={".device/p.patch": ADD_MARKER}, TESTS="",
                 EXTRA="p:@.device/p.patch f:-DF=1", AB_TMP=str(ab_tmp))

@@ -48,6 +48,7 @@ build() {  # NAME CUDAFLAGS: the tree in the current folder into build/dev-NAME
 }
 build_patched() {  # NAME PATCH: a copy of the working tree with PATCH applied, built there
   local dir="$AB_TMP/$1"
+  command -v patch > /dev/null || { echo "ab_call: build $1 needs the patch program (apt-get install patch)"; return; }
   rm -rf "$dir" && mkdir -p "$dir" && tar --exclude=./build --exclude=./.git -cf - . | tar -xf - -C "$dir" &&
     patch -s -p1 -d "$dir" < "$2" || { echo "ab_call: $2 does not apply to the working tree"; return; }
   (cd "$dir" && build "$1" "")
