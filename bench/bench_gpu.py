@@ -10,6 +10,9 @@ error is recorded and the next model runs):
   - prefill tok/s: `bench_forward(n, 0, all_rows=False)` for n in 512, 4096;
   - verify cost: `bench_forward(k, 64)` / `bench_forward(1, 64)` for k in 2, 4, 8, 16, 17, 32
     (k positions, argmax of every row on the device: a speculative verify);
+  - decode at depth (--depth, default 1000 and 4000 positions): greedy generation of
+    --depth-gen tokens after a random prompt of that many tokens (the engine's default
+    run-ahead), what llama-bench's `-d D -n N` times (its context filled with D tokens first);
   - memory (`engine.memory()`) and load time;
   - with --spec K,..: self-speculation (the file as its own draft model: every draft accepted),
     greedy tok/s and tau per k against plain steps of the same speculating engine.
@@ -20,8 +23,9 @@ gathered), so decode tok/s <= 4.27e12 B/s (the H200's measured copy bandwidth) /
 With --llama-bench PATH, llama-bench runs on the same files (`-p 16,512,4096 -n 128 -fa 1
 -ngl 99 -o json`): pp512/pp4096 prefill, tg128 decode, and its verify cost = time(pp16) /
 time(one tg step) = 16 * tg / pp16 (llama-bench's pp16 outputs one logits row, a verify 16:
-the output head is read once either way). Ratios are specd / llama.cpp (> 1: specd faster;
-for verify cost < 1 is better).
+the output head is read once either way); with --depth, a second run `-p 0 -n DEPTH_GEN -d
+D,...` for decode at those depths. Ratios are specd / llama.cpp (> 1: specd faster; for verify
+cost < 1 is better).
 
 With --variant NAME:VAR=VALUE[,VAR=VALUE] (repeatable), specd runs once more per model with
 those environment settings, forwards and verify widths only (with --variant-prefill also the
@@ -192,7 +196,8 @@ def measure_specd(path: Path, args: argparse.Namespace, res: dict) -> None:
     from worker.model_file import open_model
 
     res.update(phases={}, errors={})
-    n_ctx = max(max(args.prefill), PROMPT + max(args.verify) + 1, PROMPT + args.gen + 1)
+    n_ctx = max(max(args.prefill), PROMPT + max(args.verify) + 1, PROMPT + args.gen + 1,
+                max(args.depth, default=0) + args.depth_gen + 1)
     n_ctx = -(-(n_ctx + 16) // 256) * 256
     t0 = time.perf_counter()
     mf = open_model(path)
@@ -243,6 +248,41 @@ def measure_specd(path: Path, args: argparse.Namespace, res: dict) -> None:
         res.setdefault("prefill", {})[str(n)] = fwd(n, 0, args.reps_prefill, all_rows=False)
         print(f"  specd: prefill {n}: {res['prefill'][str(n)]['tok_s']:.0f} tok/s", flush=True)
 
+    def greedy(rng, prompt_len: int, tokens: int) -> dict:
+        """One greedy generation through Sequence: a random prompt of prompt_len tokens, then
+        `tokens` tokens (the first sampled from the prefill's logits, so tokens - 1 forwards
+        are timed): {"prompt_s", "decode_tok_s"}."""
+        seq = eng.new_sequence()
+        try:
+            seq.set_sampling({"temperature": 0})
+            prompt = rng.integers(0, eng.n_vocab, prompt_len)
+            t_a = time.perf_counter()
+            seq.prefill(prompt)
+            t_b = time.perf_counter()
+            seq.step()  # sampled from the prefill logits: no forward
+            steps = 1
+            t_c = time.perf_counter()
+            while steps < tokens:
+                seq.step()
+                steps += 1
+            t_d = time.perf_counter()
+        finally:
+            seq.close()
+        return {"prompt_s": t_b - t_a, "decode_tok_s": (steps - 1) / (t_d - t_c)}
+
+    def depth() -> None:
+        """Decode deep in a context (--depth): greedy runs of --depth-gen tokens after a random
+        prompt of D tokens (positions D .. D + depth_gen - 1, as llama-bench's `-d D -n N`), with
+        the engine's default run-ahead; the median of --gen-repeats runs after one warm-up."""
+        rng = np.random.default_rng(2)
+        out = res.setdefault("decode_depth", {})
+        for d in args.depth:
+            greedy(rng, d, 8)  # warm-up at this depth
+            runs = [greedy(rng, d, args.depth_gen) for _ in range(args.gen_repeats)]
+            out[str(d)] = {"prompt": d, "tokens": args.depth_gen, "runs": runs,
+                           "tok_s": statistics.median(x["decode_tok_s"] for x in runs)}
+            print(f"  specd: decode at depth {d}: {out[str(d)]['tok_s']:.1f} tok/s", flush=True)
+
     def generate() -> None:
         """The serving path: greedy steps through Sequence, a host round trip per token; with
         the engine's run-ahead (the default on a GPU: each step queues the returned token's
@@ -257,22 +297,9 @@ def measure_specd(path: Path, args: argparse.Namespace, res: dict) -> None:
             for key, ahead in modes:
                 if ahead is not None:
                     eng.run_ahead = ahead
-                seq = eng.new_sequence()
-                seq.set_sampling({"temperature": 0})
-                prompt = rng.integers(0, eng.n_vocab, PROMPT)
-                t_a = time.perf_counter()
-                seq.prefill(prompt)
-                t_b = time.perf_counter()
-                seq.step()  # sampled from the prefill logits: no forward
-                steps = 1
-                t_c = time.perf_counter()
-                while steps < (args.gen if r else 16):
-                    seq.step()
-                    steps += 1
-                t_d = time.perf_counter()
-                seq.close()
+                run = greedy(rng, PROMPT, args.gen if r else 16)
                 if r:
-                    runs[key].append({"prompt_s": t_b - t_a, "decode_tok_s": (steps - 1) / (t_d - t_c)})
+                    runs[key].append(run)
         if default is not None:
             eng.run_ahead = default
         for key, ahead in modes:
@@ -330,6 +357,8 @@ def measure_specd(path: Path, args: argparse.Namespace, res: dict) -> None:
         phase(f"prefill_{n}", lambda n=n: prefill(n))
     if not args.forward_only:
         phase("generate", generate)
+        if args.depth:
+            phase("depth", depth)
     eng.close()
     if args.spec and not args.forward_only:
         phase("speculate", speculate)
@@ -383,23 +412,46 @@ def llama_rate(row: dict) -> float:
     return statistics.median(samples) if samples else row["avg_ts"]
 
 
+def _llama_rows(cmd: list[str], timeout: float) -> list[dict] | str:
+    """Runs llama-bench (-o json): its rows, or the reason it gave none."""
+    print("  llama.cpp: " + " ".join(cmd), flush=True)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(timeout, 1))
+    except subprocess.TimeoutExpired:
+        return f"timed out after {timeout:.0f} s"
+    if proc.returncode != 0:
+        return f"exit {proc.returncode}: {proc.stderr[-2000:]}"
+    try:
+        return json.loads(proc.stdout)
+    except json.JSONDecodeError as exc:
+        return f"unparsable JSON ({exc}): {proc.stdout[:500]}"
+
+
 def run_llama_bench(exe: str, path: Path, args: argparse.Namespace, timeout: float) -> dict:
-    """llama-bench's pp16 / pp<prefill> / tg<gen> on one file; tok/s by test, verify cost."""
+    """llama-bench's pp16 / pp<prefill> / tg<gen> on one file; tok/s by test, verify cost; with
+    --depth, tg<depth_gen> at each depth from a second run (a failure there is recorded in
+    depth_error, the first run's numbers stand)."""
+    end = time.monotonic() + timeout
     prompts = sorted({16, *args.prefill})
     cmd = [exe, "-m", str(path), "-p", ",".join(map(str, prompts)), "-n", str(args.gen), "-fa", "1",
            "-ngl", "99", "-r", str(args.llama_reps), "-o", "json"]
-    print("  llama.cpp: " + " ".join(cmd), flush=True)
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"ok": False, "error": f"timed out after {timeout:.0f} s", "command": cmd}
-    if proc.returncode != 0:
-        return {"ok": False, "error": f"exit {proc.returncode}: {proc.stderr[-2000:]}", "command": cmd}
-    try:
-        rows = json.loads(proc.stdout)
-    except json.JSONDecodeError as exc:
-        return {"ok": False, "error": f"unparsable JSON ({exc}): {proc.stdout[:500]}", "command": cmd}
+    rows = _llama_rows(cmd, timeout)
+    if isinstance(rows, str):
+        return {"ok": False, "error": rows, "command": cmd}
     res: dict = {"ok": True, "command": cmd, "prefill": {}, "raw": rows}
+    if getattr(args, "depth", None):
+        dcmd = [exe, "-m", str(path), "-p", "0", "-n", str(args.depth_gen), "-d", ",".join(map(str, args.depth)),
+                "-fa", "1", "-ngl", "99", "-r", str(args.llama_reps), "-o", "json"]
+        drows = _llama_rows(dcmd, end - time.monotonic())
+        res["depth_command"] = dcmd
+        if isinstance(drows, str):
+            res["depth_error"] = drows
+        else:
+            res["raw_depth"] = drows
+            res["decode_depth"] = {str(r["n_depth"]): {"tok_s": llama_rate(r), "mean_tok_s": r["avg_ts"],
+                                                       "samples_tok_s": r.get("samples_ts"), "tokens": r["n_gen"],
+                                                       "prompt": r["n_depth"]}
+                                   for r in drows if r.get("n_gen", 0) > 0 and r.get("n_prompt", 0) == 0}
     for r in rows:
         rate = {"tok_s": llama_rate(r), "mean_tok_s": r["avg_ts"], "samples_tok_s": r.get("samples_ts")}
         if r["n_gen"] == 0 and r["n_prompt"] > 0:
@@ -413,7 +465,8 @@ def run_llama_bench(exe: str, path: Path, args: argparse.Namespace, timeout: flo
         res["verify_cost_16"] = 16 * res["decode"]["tok_s"] / res["prefill"]["16"]["tok_s"]
     dec = res.get("decode", {}).get("tok_s")
     print(f"  llama.cpp: decode {dec or float('nan'):.1f} tok/s, "
-          + ", ".join(f"pp{k} {v['tok_s']:.0f}" for k, v in res["prefill"].items()), flush=True)
+          + ", ".join(f"pp{k} {v['tok_s']:.0f}" for k, v in res["prefill"].items())
+          + "".join(f", depth {k} {v['tok_s']:.1f} tok/s" for k, v in res.get("decode_depth", {}).items()), flush=True)
     return res
 
 
@@ -428,7 +481,7 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a and b else None
 
 
-def summarize(row: dict, prefill: list[int]) -> None:
+def summarize(row: dict, prefill: list[int], depths: list[int] = ()) -> None:
     """Adds the headline numbers (None where a side failed) to a result row."""
     s, l, floor = row.get("specd", {}), row.get("llama", {}), row["floor_tok_s"]
     h = {
@@ -447,11 +500,15 @@ def summarize(row: dict, prefill: list[int]) -> None:
     for k in ("decode_gen_tok_s", "decode_fwd_tok_s", "llama_decode_tok_s"):
         h[k.replace("tok_s", "pct_floor")] = 100 * h[k] / floor if h[k] else None
     h["decode_ratio"] = ratio(h["decode_gen_tok_s"], h["llama_decode_tok_s"])
+    for d in map(str, depths):
+        h[f"decode_depth_{d}_tok_s"] = s.get("decode_depth", {}).get(d, {}).get("tok_s")
+        h[f"llama_decode_depth_{d}_tok_s"] = l.get("decode_depth", {}).get(d, {}).get("tok_s")
+        h[f"decode_depth_{d}_ratio"] = ratio(h[f"decode_depth_{d}_tok_s"], h[f"llama_decode_depth_{d}_tok_s"])
     h["verify_cost_ratio"] = ratio(h["verify_cost_16"], h["llama_verify_cost_16"])
     row["headline"] = h
 
 
-def print_table(rows: list[dict], prefill: list[int]) -> None:
+def print_table(rows: list[dict], prefill: list[int], depths: list[int] = ()) -> None:
     def f(x: float | None, fmt: str) -> str:
         width = int(fmt.split(".")[0])
         return format(x, fmt) if x is not None else "-".rjust(width)
@@ -484,18 +541,28 @@ def print_table(rows: list[dict], prefill: list[int]) -> None:
                 pp = "".join(f" | pp{k} {f(p.get('tok_s'), '7.0f')}" for k, p in v.get("prefill", {}).items())
                 print(f"{r['label'][:24]:24} {name[:12]:12} | {f(tok, '7.1f')} {f(ratio(tok, base), '6.2f')} | "
                       + (costs + pp if v.get("ok", True) else "failed: " + str(v.get("error"))[:80]))
+    if depths:
+        print(f"\n{'decode vs context':24} " + "".join(f"| {'d=' + str(d):>8} {'llama':>7} {'ratio':>5} " for d in depths))
+        for r in rows:
+            h = r.get("headline", {})
+            print(f"{r['label'][:24]:24} " + "".join(
+                f"| {f(h.get(f'decode_depth_{d}_tok_s'), '8.1f')} {f(h.get(f'llama_decode_depth_{d}_tok_s'), '7.1f')} "
+                f"{f(h.get(f'decode_depth_{d}_ratio'), '5.2f')} " for d in depths))
+            if r.get("llama", {}).get("depth_error"):
+                print(f"{'':24}   llama.cpp at depth failed: {r['llama']['depth_error'][:150]}")
     print("decode: greedy steps (tok/s, % of the bandwidth floor); fwd1: bench_forward(1, 64); ratio: specd / "
-          "llama.cpp; ppN: prefill tok/s; ver16: cost of a 16-position forward in decode steps")
+          "llama.cpp; ppN: prefill tok/s; ver16: cost of a 16-position forward in decode steps"
+          + ("; d=D: greedy tok/s after a D-token prompt (llama-bench -d D)" if depths else ""))
 
 
-def plot(rows: list[dict], path: Path, report: dict, pp: int) -> None:
+def plot(rows: list[dict], path: Path, report: dict, pp: int, depths: list[int] = ()) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    fig, axes = plt.subplots(1, 4 if depths else 3, figsize=(21 if depths else 16, 4.8))
     x = np.arange(len(rows))
     labels = [r["label"] for r in rows]
     for ax, key, ylabel, title in (
@@ -529,6 +596,23 @@ def plot(rows: list[dict], path: Path, report: dict, pp: int) -> None:
     ax.set_ylabel("cost in decode steps")
     ax.set_title("verify cost (lines: specd; x: llama.cpp pp16)", fontsize=10)
     ax.legend(fontsize=6)
+    if depths:  # decode against the context before it, % of the floor (the first point: a 64-token prompt)
+        ax = axes[3]
+        xs = [PROMPT, *depths]
+        for r in rows:
+            h, floor, color = r.get("headline", {}), r["floor_tok_s"], None
+            for keys, style, who in ((["decode_gen_tok_s"] + [f"decode_depth_{d}_tok_s" for d in depths], "-o", "specd"),
+                                     (["llama_decode_tok_s"] + [f"llama_decode_depth_{d}_tok_s" for d in depths], "--x",
+                                      "llama.cpp")):
+                pts = [(x, 100 * h[k] / floor) for x, k in zip(xs, keys) if h.get(k) and floor]
+                if pts:
+                    line, = ax.plot(*zip(*pts), style, ms=4, label=f"{r['label']} {who}",
+                                    **({"color": color} if color else {}))
+                    color = line.get_color()
+        ax.set_xlabel("prompt tokens before the decoded ones")
+        ax.set_ylabel("% of bandwidth floor")
+        ax.set_title("decode vs context (solid: specd; dashed: llama.cpp -d)", fontsize=10)
+        ax.legend(fontsize=6)
     gpu = report["machine"].get("gpu", {}).get("name", f"the CPU ({report['machine']['cpu']}, a dry run)")
     fig.suptitle(f"specd vs llama.cpp on {gpu}, {report['date'][:10]} (random-weight models)", fontsize=10)
     fig.tight_layout()
@@ -551,6 +635,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--gen", type=int, default=128, help="greedy tokens to decode")
     ap.add_argument("--prefill", default="512,4096", help="prefill lengths (comma-separated)")
     ap.add_argument("--verify", default="2,4,8,16,17,32", help="verify widths k (comma-separated)")
+    ap.add_argument("--depth", default="1000,4000",
+                    help="decode after prompts of these lengths (comma-separated; empty: skipped)")
+    ap.add_argument("--depth-gen", type=int, default=64, help="greedy tokens decoded at each --depth")
     ap.add_argument("--spec", default="", help="self-speculation draft lengths k (comma-separated; none: skipped)")
     ap.add_argument("--max-batch", type=int, default=512, help="specd positions per prefill chunk (llama.cpp ubatch)")
     ap.add_argument("--reps-decode", type=int, default=50)
@@ -571,6 +658,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.prefill = [int(x) for x in args.prefill.split(",") if x]
     args.verify = [int(x) for x in args.verify.split(",") if x]
     args.spec = [int(x) for x in args.spec.split(",") if x]
+    args.depth = [int(x) for x in args.depth.split(",") if x]
+    if any(d < 1 for d in args.depth) or args.depth_gen < 2:
+        ap.error("--depth lengths must be >= 1 and --depth-gen >= 2 (one token comes from the prompt's logits)")
     variants = {}
     for v in args.variant:
         name, _, settings = v.partition(":")
@@ -643,9 +733,9 @@ def main() -> int:
                 print(f"  variant {name} ({', '.join(f'{k}={v}' for k, v in env.items())}):", flush=True)
                 row.setdefault("variants", {})[name] = {"env": env, **run_specd(path, args, budget, env)}
     for row in ok_rows:
-        summarize(row, args.prefill)
+        summarize(row, args.prefill, args.depth)
 
-    print_table(rows, args.prefill)
+    print_table(rows, args.prefill, args.depth)
     stamp = dt.datetime.now(dt.timezone.utc)
     gpu = gpu_info()
     report = {
@@ -665,7 +755,7 @@ def main() -> int:
     base = args.out / f"gpu_{machine}_{stamp:%Y%m%d}"
     base.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     try:
-        plot([r for r in rows if "headline" in r], base.with_suffix(".png"), report, args.prefill[0])
+        plot([r for r in rows if "headline" in r], base.with_suffix(".png"), report, args.prefill[0], args.depth)
     except Exception as exc:  # the numbers matter more than the picture
         print(f"plot failed: {type(exc).__name__}: {exc}", flush=True)
     print(f"\nwrote {base.with_suffix('.json')} and {base.with_suffix('.png')} ({time.monotonic() - start:.0f} s)")

@@ -54,6 +54,58 @@ def test_rates_are_medians_of_the_repetitions(tmp_path: Path) -> None:
     assert res["build"] == "abc123 (1)"
 
 
+# llama-bench -p 0 -n 64 -d 1000,4000 (its context filled with D tokens before each tg test)
+DEPTH_ROWS = [
+    {"n_prompt": 0, "n_gen": 64, "n_depth": 1000, "avg_ts": 610.0, "samples_ts": [580.0, 612.5, 637.5]},
+    {"n_prompt": 0, "n_gen": 64, "n_depth": 4000, "avg_ts": 500.0, "samples_ts": [490.0, 505.0, 505.0]},
+]
+
+
+def fake_llama_bench_by_depth(tmp_path: Path, rows: list[dict], depth_rows: list[dict] | str) -> str:
+    """A llama-bench that answers a run with -d with depth_rows (a str: fails with it as stderr)."""
+    exe = tmp_path / "llama-bench"
+    exe.write_text(f"#!{sys.executable}\nimport sys\n"
+                   f"if '-d' not in sys.argv:\n    sys.stdout.write({json.dumps(json.dumps(rows))})\n"
+                   f"elif isinstance({depth_rows!r}, str):\n    sys.stderr.write({depth_rows!r}); sys.exit(1)\n"
+                   f"else:\n    sys.stdout.write({json.dumps(json.dumps(depth_rows))})\n")
+    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+    return str(exe)
+
+
+def test_decode_at_depth_is_a_second_run(tmp_path: Path) -> None:
+    exe = fake_llama_bench_by_depth(tmp_path, ROWS, DEPTH_ROWS)
+    res = bench_gpu.run_llama_bench(exe, Path("m.gguf"), args(depth=[1000, 4000], depth_gen=64), timeout=60)
+    assert res["ok"] is True and "-d" not in res["command"]
+    assert res["depth_command"] == [exe, "-m", "m.gguf", "-p", "0", "-n", "64", "-d", "1000,4000", "-fa", "1",
+                                    "-ngl", "99", "-r", "3", "-o", "json"]
+    assert res["decode_depth"]["1000"]["tok_s"] == 612.5 and res["decode_depth"]["4000"]["tok_s"] == 505.0
+    assert res["decode_depth"]["1000"]["tokens"] == 64 and res["decode_depth"]["4000"]["prompt"] == 4000
+    assert res["decode"]["tok_s"] == 663.091  # the first run's numbers are unchanged
+    # the headline: specd / llama.cpp at each depth, None where a side has no number
+    row = {"floor_tok_s": 3581.0, "llama": res,
+           "specd": {"decode_depth": {"1000": {"tok_s": 1225.0}}}}
+    bench_gpu.summarize(row, [512], [1000, 4000])
+    h = row["headline"]
+    assert h["decode_depth_1000_ratio"] == pytest.approx(1225.0 / 612.5)
+    assert h["llama_decode_depth_4000_tok_s"] == 505.0 and h["decode_depth_4000_ratio"] is None
+
+
+def test_a_failing_depth_run_keeps_the_first_runs_numbers(tmp_path: Path) -> None:
+    exe = fake_llama_bench_by_depth(tmp_path, ROWS, "failed to create context with n_ctx 4064")
+    res = bench_gpu.run_llama_bench(exe, Path("m.gguf"), args(depth=[4000], depth_gen=64), timeout=60)
+    assert res["ok"] is True and res["decode"]["tok_s"] == 663.091
+    assert res["depth_error"] == "exit 1: failed to create context with n_ctx 4064" and "decode_depth" not in res
+
+
+def test_depth_arguments() -> None:
+    assert bench_gpu.parse_args(["m.gguf"]).depth == [1000, 4000]
+    assert bench_gpu.parse_args(["m.gguf", "--depth", ""]).depth == []
+    assert bench_gpu.parse_args(["m.gguf", "--depth", "300", "--depth-gen", "8"]).depth == [300]
+    for bad in (["--depth", "0"], ["--depth-gen", "1"]):
+        with pytest.raises(SystemExit):
+            bench_gpu.parse_args(["m.gguf", *bad])
+
+
 def test_rows_without_samples_keep_the_mean(tmp_path: Path) -> None:
     rows = [{k: v for k, v in r.items() if k != "samples_ts"} for r in ROWS]
     res = bench_gpu.run_llama_bench(fake_llama_bench(tmp_path, rows), Path("m.gguf"), args(), timeout=60)
