@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from helpers.tools import ROOT, load_tool
 
 
@@ -31,3 +33,16 @@ def test_this_sessions_stored_results_have_both_runs_of_each_variant() -> None:
     for variants in groups.values():
         assert len(variants) == 3 and all(len(runs) == 2 for runs in variants.values())
     assert set(data["labels"]) == set(next(iter(groups.values())))
+
+
+def test_pos_sweep_options() -> None:
+    """--n, --n-ctx and --positions before the rest; the defaults; a context too small is refused."""
+    ps = load_tool("device/pos_sweep.py")
+    assert ps.parse(["o.json", "m.gguf", "--", ""]) == (1, 4200, [64, 128, 192, 300, 1000, 4000],
+                                                        ["o.json", "m.gguf", "--", ""])
+    assert ps.parse(["--n-ctx", "40960", "--n", "16", "--positions", "64,300", "o.json", "m.gguf", "--"]) == (
+        16, 40960, [64, 300], ["o.json", "m.gguf", "--"])
+    for argv in (["--n-ctx", "256", "o.json"], ["--n", "16", "--n-ctx", "87", "--positions", "64", "o.json"]):
+        with pytest.raises(SystemExit, match="does not fit the context"):
+            ps.parse(argv)
+    assert ps.parse(["--n", "16", "--n-ctx", "88", "--positions", "64", "o.json"])[:3] == (16, 88, [64])

@@ -5,7 +5,8 @@ environment variant, side by side in one device call (tools/device: the GPU mach
 
 Each variant ("VAR=VALUE;VAR=VALUE", "" for the defaults; SPECD_NATIVE_DIR=<build_base.sh's
 build> for the code before a change) runs in its own process, since the kernels read the
-environment once: the model opened on cuda:0 with n_ctx 256, Engine.bench_forward(n, 64, reps)
+environment once: the model opened on cuda:0 with n_ctx 256 (FWD_N_CTX=C, in the environment or
+as a variant, sets another: the decode attention's grid grows with it), Engine.bench_forward(n, 64, reps)
 for n = 1 (40 reps), 16 and 8 (15 reps), the best of 3 medians, in microseconds. Prints a line
 per model and variant (with n = 16 and 8 in decode steps) and writes them all to OUT.json (a
 variant given twice, to see the noise, keeps both runs: "MODEL [VARIANT] #2").
@@ -31,7 +32,7 @@ def child(path: str) -> None:
     from worker.model_file import open_model
 
     res = {}
-    with Engine(open_model(path), device="cuda:0", n_ctx=256) as eng:
+    with Engine(open_model(path), device="cuda:0", n_ctx=int(os.environ.get("FWD_N_CTX", "256"))) as eng:
         for n, reps in RUNS:
             res[n] = min(statistics.median(eng.bench_forward(n, 64, reps)) for _ in range(3)) * 1e6
     print("RESULT", json.dumps(res), flush=True)

@@ -167,16 +167,22 @@ def main() -> None:
     ap.add_argument("--pos0", type=int, default=64)
     ap.add_argument("--n", type=int, default=1, help="positions per forward (16: a speculative verify of 16)")
     ap.add_argument("--reps", type=int, default=7, help="forwards traced (at least 2)")
+    ap.add_argument("--n-ctx", type=int, default=0,
+                    help="the engine's context (default: the least that holds pos0 + n, at least 256; the decode "
+                         "attention launches a block per 256 positions of it and KV head)")
     ap.add_argument("--json", default="")
     ap.add_argument("--raw", default="", help="also save the records (numpy .npy, [n, 8] uint64)")
     args = ap.parse_args()
+    n_ctx = args.n_ctx or max(256, args.pos0 + args.n + 8)
+    if n_ctx < args.pos0 + args.n + 8:
+        ap.error(f"--n-ctx {n_ctx} does not hold --pos0 {args.pos0} + --n {args.n} (+ 8 spare)")
     from worker.engine import Engine, native
     from worker.model_file import open_model
 
     g = getattr(native, "gpu_ops", None)
     if g is None:
         sys.exit("trace_decode: this native module has no GPU backend")
-    with Engine(open_model(args.model), device="cuda:0", n_ctx=max(256, args.pos0 + args.n + 8)) as eng:
+    with Engine(open_model(args.model), device="cuda:0", n_ctx=n_ctx) as eng:
         n_layers = eng.model.config.n_layers
         eng.bench_forward(args.n, args.pos0, 3)  # captures the graph, warms up
         if not g.trace_begin(1 << 21):
@@ -222,7 +228,7 @@ def main() -> None:
           f"last exit median {np.median(fwd_spans):.1f} us; per layer {np.median(fwd_spans) / n_layers:.2f} us")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"model": args.model, "pos0": args.pos0, "n": args.n, "reps": args.reps,
+            json.dump({"model": args.model, "pos0": args.pos0, "n": args.n, "n_ctx": n_ctx, "reps": args.reps,
                        "forward_us": [x * 1e6 for x in secs], "traced_span_us": fwd_spans, "kinds": table},
                       fh, indent=1)
 
