@@ -73,6 +73,24 @@ def test_defaults_build_base_and_tree_only(tmp_path: Path) -> None:
     assert fwd[-3:] == ["--", "SPECD_NATIVE_DIR=/tmp/base/build/dev-base", ""]
 
 
+def test_positions_sweep_and_traces_of_base_and_tree(tmp_path: Path) -> None:
+    # POSITIONS: the same variants' decode steps at those positions (pos_sweep.py, a context of
+    # the largest position + 200); TRACE_POS: a trace build of the base too, and one-position
+    # traces of base and tree after each position instead of the default n = 1 and 16 ones
+    stub = ('import os, sys\nopen(os.environ["LOG"], "a").write("pos " + "|".join(sys.argv[1:]) + "\\n")\n')
+    calls = run(tmp_path, ["SPECD_GPU_X=1"], {"tools/device/pos_sweep.py": stub}, TESTS="", TRACE="1",
+                POSITIONS="64,4000,300", TRACE_POS="64,1000", MODELS="qwen3-8b Q4_K_M")
+    tree, out = tmp_path / "tree", tmp_path / "out"
+    m8, base = "/dev/shm/m/qwen3-8b-Q4_K_M.random.gguf", "SPECD_NATIVE_DIR=/tmp/base/build/dev-base"
+    assert "build_base .device/base.patch /tmp/tbase" in calls and "dev_build trace [-DSPECD_GPU_TRACE=1]" in calls
+    assert "pos " + "|".join(["--positions", "64,4000,300", "--n-ctx", "4200", str(out / "ab-pos.json"), m8, "--",
+                              base, "", "SPECD_GPU_X=1"]) in calls
+    traces = [c for c in calls if c.startswith("trace ")]
+    assert traces == sorted(f"trace {m8} --pos0 {p} --n-ctx 4200 --json {out}/trace-{b}-p{p}.json {d}"
+                            for p in (64, 1000) for b, d in (("base", "/tmp/tbase/build/dev-base"),
+                                                             ("tree", f"{tree}/build/dev-trace")))
+
+
 # a patch that adds the file PATCHED (its text: "patched") at the tree's root
 ADD_MARKER = """--- /dev/null
 +++ b/PATCHED

@@ -20,8 +20,12 @@
 #      each VARIANT ("VAR=VALUE;VAR=VALUE" for the working tree's build with those settings,
 #      "build:NAME" for the EXTRA build NAME); REPEAT=1 runs the base and the working tree twice, to
 #      show the noise;
+#   4b. with POSITIONS ("64,1000,4000"): tools/device/pos_sweep.py $OUT/ab-pos.json, the same
+#      variants' decode steps after each of those positions (n_ctx: the last one + 200);
 #   5. with TRACE=1: tools/device/trace_decode.py on the first model, one position and 16
-#      ($OUT/trace-n1.json, $OUT/trace-n16.json).
+#      ($OUT/trace-n1.json, $OUT/trace-n16.json); with TRACE_POS ("64,1000,4000") instead one
+#      position after each of those, on the tree's trace build and on a trace build of the base
+#      (/tmp/tbase; $OUT/trace-base-pP.json, $OUT/trace-tree-pP.json; n_ctx as POSITIONS').
 # Builds keep their logs in /tmp/build-NAME.log (the last lines of a failed one are printed).
 # The whole run stays within the device's 600 s a call only with few models and variants: about
 # 75 s to build, 60 s of tests, ~10 s per 0.6B variant and ~25 s per 8B one, ~15 s per trace.
@@ -38,7 +42,12 @@ read -r -a models <<< "${MODELS:-qwen3-8b Q4_K_M qwen3-0.6b Q8_0 qwen3-0.6b Q4_K
 paths=()
 for ((i = 0; i + 1 < ${#models[@]}; i += 2)); do paths+=("/dev/shm/m/${models[i]}-${models[i + 1]}.random.gguf"); done
 read -r -a extra <<< "${EXTRA:-}"
-builds=$((2 + ${TRACE:-0} + ${#extra[@]}))
+trace_base=0
+[ "${TRACE:-0}" = 1 ] && [ -n "${TRACE_POS:-}" ] && trace_base=1
+builds=$((2 + ${TRACE:-0} + trace_base + ${#extra[@]}))
+# the context for POSITIONS / TRACE_POS: their largest + 200
+last_pos=$(tr ',' '\n' <<< "${POSITIONS:-},${TRACE_POS:-},0" | grep -v '^$' | sort -n | tail -1)
+n_ctx=$((last_pos + 200))
 jobs=$(( $(nproc) / builds > 1 ? $(nproc) / builds : 1 ))
 
 build() {  # NAME CUDAFLAGS: the tree in the current folder into build/dev-NAME
@@ -58,6 +67,8 @@ timeout 240 python3 tools/gen_gguf.py -q -o /dev/shm/m "${models[@]}" > /tmp/gen
 (JOBS=$jobs timeout 300 bash tools/device/build_base.sh .device/base.patch /tmp/base > /tmp/build-base.log 2>&1 ||
   { tail -20 /tmp/build-base.log; echo "ab_call: the base build failed"; }) &
 build gpu "" &
+[ $trace_base = 1 ] && (CUDAFLAGS=-DSPECD_GPU_TRACE=1 JOBS=$jobs timeout 300 bash tools/device/build_base.sh \
+  .device/base.patch /tmp/tbase > /tmp/build-tbase.log 2>&1 || { tail -20 /tmp/build-tbase.log; echo "ab_call: the base trace build failed"; }) &
 [ "${TRACE:-0}" = 1 ] && build trace "-DSPECD_GPU_TRACE=1" &
 declare -A where=()  # EXTRA build NAME -> the folder holding its build/dev-NAME
 for e in "${extra[@]}"; do
@@ -92,7 +103,23 @@ done
 timeout 300 python3 tools/device/fwd_variants.py "$OUT/ab.json" "${paths[@]}" -- "${variants[@]}" 2>&1 | grep -E "fwd1|Error|error"
 say "forwards timed"
 
-if [ "${TRACE:-0}" = 1 ]; then
+if [ -n "${POSITIONS:-}" ]; then
+  timeout 300 python3 tools/device/pos_sweep.py --positions "$POSITIONS" --n-ctx "$n_ctx" "$OUT/ab-pos.json" \
+    "${paths[@]}" -- "${variants[@]}" 2>&1 | grep -v "^RESULT"
+  say "positions swept"
+fi
+
+if [ $trace_base = 1 ]; then
+  for p in ${TRACE_POS//,/ }; do
+    for b in base tree; do
+      dir=$PWD/build/dev-trace
+      [ $b = base ] && dir=/tmp/tbase/build/dev-base
+      SPECD_NATIVE_DIR=$dir timeout 90 python3 tools/device/trace_decode.py "${paths[0]}" --pos0 "$p" --n-ctx "$n_ctx" \
+        --json "$OUT/trace-$b-p$p.json" 2>&1 | grep -E "attn|forward"
+    done
+  done
+  say "traced"
+elif [ "${TRACE:-0}" = 1 ]; then
   for n in 1 16; do
     SPECD_NATIVE_DIR=$PWD/build/dev-trace timeout 90 python3 tools/device/trace_decode.py "${paths[0]}" --n $n \
       --json "$OUT/trace-n$n.json" 2>&1 | tail -14
