@@ -55,14 +55,29 @@ build() {  # NAME CUDAFLAGS: the tree in the current folder into build/dev-NAME
     timeout 300 bash tools/dev_build.sh "$1" > "/tmp/build-$1.log" 2>&1 ||
     { tail -20 "/tmp/build-$1.log"; echo "ab_call: build $1 failed"; }
 }
-build_patched() {  # NAME PATCH: a copy of the working tree with PATCH applied, built there
+copy_patched() {  # NAME PATCH: a copy of the working tree with PATCH applied, in $AB_TMP/NAME
   local dir="$AB_TMP/$1"
-  command -v patch > /dev/null || { echo "ab_call: build $1 needs the patch program (apt-get install patch)"; return; }
+  command -v patch > /dev/null || { echo "ab_call: build $1 needs the patch program (apt-get install patch)"; return 1; }
   rm -rf "$dir" && mkdir -p "$dir" && tar --exclude=./build --exclude=./.git -cf - . | tar -xf - -C "$dir" &&
-    patch -s -p1 -d "$dir" < "$2" || { echo "ab_call: $2 does not apply to the working tree"; return; }
-  (cd "$dir" && build "$1" "")
+    patch -s -p1 -d "$dir" < "$2" || { echo "ab_call: $2 does not apply to the working tree"; return 1; }
 }
 say "models ${models[*]}; $builds builds of $jobs jobs"
+# The copies of the tree (the patched EXTRA builds here, build_base.sh's) must not see "." change
+# while tar reads it (tar then exits 1: "file changed as we read it"): build/ exists before the
+# builds start, and the patched copies are made before them.
+mkdir -p build
+declare -A where=()  # EXTRA build NAME -> the folder holding its build/dev-NAME
+todo=()              # EXTRA builds to make: "NAME FLAGS..." (patched ones with no flags)
+for e in "${extra[@]}"; do
+  name="${e%%:*}" spec="${e#*:}"
+  if [[ "$spec" == @* ]]; then
+    where[$name]="$AB_TMP/$name"
+    copy_patched "$name" "${spec#@}" && todo+=("$name")
+  else
+    where[$name]="$PWD"
+    todo+=("$name $spec")
+  fi
+done
 timeout 240 python3 tools/gen_gguf.py -q -o /dev/shm/m "${models[@]}" > /tmp/gen.log 2>&1 &
 (JOBS=$jobs timeout 300 bash tools/device/build_base.sh .device/base.patch /tmp/base > /tmp/build-base.log 2>&1 ||
   { tail -20 /tmp/build-base.log; echo "ab_call: the base build failed"; }) &
@@ -70,16 +85,10 @@ build gpu "" &
 [ $trace_base = 1 ] && (CUDAFLAGS=-DSPECD_GPU_TRACE=1 JOBS=$jobs timeout 300 bash tools/device/build_base.sh \
   .device/base.patch /tmp/tbase > /tmp/build-tbase.log 2>&1 || { tail -20 /tmp/build-tbase.log; echo "ab_call: the base trace build failed"; }) &
 [ "${TRACE:-0}" = 1 ] && build trace "-DSPECD_GPU_TRACE=1" &
-declare -A where=()  # EXTRA build NAME -> the folder holding its build/dev-NAME
-for e in "${extra[@]}"; do
-  name="${e%%:*}" spec="${e#*:}"
-  if [[ "$spec" == @* ]]; then
-    where[$name]="$AB_TMP/$name"
-    build_patched "$name" "${spec#@}" &
-  else
-    where[$name]="$PWD"
-    build "$name" "$spec" &
-  fi
+for t in "${todo[@]}"; do
+  name="${t%% *}" flags=""
+  [[ "$t" == *" "* ]] && flags="${t#* }"
+  (cd "${where[$name]}" && build "$name" "$flags") &
 done
 wait
 say "built"
