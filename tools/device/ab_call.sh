@@ -66,29 +66,28 @@ say "models ${models[*]}; $builds builds of $jobs jobs"
 # while tar reads it (tar then exits 1: "file changed as we read it"): build/ exists before the
 # builds start, and the patched copies are made before them.
 mkdir -p build
-declare -A where=()  # EXTRA build NAME -> the folder holding its build/dev-NAME
-todo=()              # EXTRA builds to make: "NAME FLAGS..." (patched ones with no flags)
+declare -A where=() flags=()  # EXTRA build NAME -> the folder holding its build/dev-NAME; CUDAFLAGS of those to build
 for e in "${extra[@]}"; do
   name="${e%%:*}" spec="${e#*:}"
   if [[ "$spec" == @* ]]; then
     where[$name]="$AB_TMP/$name"
-    copy_patched "$name" "${spec#@}" && todo+=("$name")
+    copy_patched "$name" "${spec#@}" && flags[$name]=""
   else
-    where[$name]="$PWD"
-    todo+=("$name $spec")
+    where[$name]="$PWD" flags[$name]="$spec"
   fi
 done
+build_base() {  # DIR CUDAFLAGS: the base (build_base.sh with .device/base.patch) in DIR/build/dev-base
+  local log="/tmp/build-$(basename "$1").log"
+  (CUDAFLAGS="$2" JOBS=$jobs timeout 300 bash tools/device/build_base.sh .device/base.patch "$1" > "$log" 2>&1 ||
+    { tail -20 "$log"; echo "ab_call: the base build in $1 failed"; }) &
+}
 timeout 240 python3 tools/gen_gguf.py -q -o /dev/shm/m "${models[@]}" > /tmp/gen.log 2>&1 &
-(JOBS=$jobs timeout 300 bash tools/device/build_base.sh .device/base.patch /tmp/base > /tmp/build-base.log 2>&1 ||
-  { tail -20 /tmp/build-base.log; echo "ab_call: the base build failed"; }) &
+build_base /tmp/base "${CUDAFLAGS:-}"
+[ $trace_base = 1 ] && build_base /tmp/tbase "-DSPECD_GPU_TRACE=1"
 build gpu "" &
-[ $trace_base = 1 ] && (CUDAFLAGS=-DSPECD_GPU_TRACE=1 JOBS=$jobs timeout 300 bash tools/device/build_base.sh \
-  .device/base.patch /tmp/tbase > /tmp/build-tbase.log 2>&1 || { tail -20 /tmp/build-tbase.log; echo "ab_call: the base trace build failed"; }) &
 [ "${TRACE:-0}" = 1 ] && build trace "-DSPECD_GPU_TRACE=1" &
-for t in "${todo[@]}"; do
-  name="${t%% *}" flags=""
-  [[ "$t" == *" "* ]] && flags="${t#* }"
-  (cd "${where[$name]}" && build "$name" "$flags") &
+for name in "${!flags[@]}"; do
+  (cd "${where[$name]}" && build "$name" "${flags[$name]}") &
 done
 wait
 say "built"
