@@ -402,6 +402,13 @@ def gpu_call(c: dict) -> np.ndarray:
 def linear_in_subprocess(calls: list[dict], tmp_path, **env: str) -> list[np.ndarray]:
     """Each call's gpu() (dict: ws, x and optionally norm_w, eps, epilogue, y) in a fresh process
     whose environment adds env (the kernel choices are read once per process)."""
+    return launches_in_subprocess(calls, tmp_path, **env)[0]
+
+
+def launches_in_subprocess(calls: list[dict], tmp_path, **env: str) -> tuple[list[np.ndarray], list[list[str]]]:
+    """linear_in_subprocess's outputs and, per call, the kernels it launched (with
+    SPECD_GPU_LOG_LAUNCHES=1 in env; empty lists without)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     for i, c in enumerate(calls):
         np.savez(tmp_path / f"call{i}.npz", x=c["x"], w=np.concatenate([w for _, w, _, _ in c["ws"]]),
                  shapes=np.array([(int(t), m, k, len(w)) for t, w, m, k in c["ws"]]), epilogue=c.get("epilogue", 0),
@@ -416,14 +423,23 @@ def linear_in_subprocess(calls: list[dict], tmp_path, **env: str) -> list[np.nda
         "    for t, m, k, nb in z['shapes']:\n"
         "        ws.append((int(t), z['w'][at:at + nb], int(k), int(m)))\n"
         "        at += nb\n"
+        "    print(f'call {i}', file=sys.stderr, flush=True)\n"
         "    ep = int(z['epilogue'])\n"
         "    y = native.gpu_ops.linear(weights=ws, biases=[None] * len(ws), x=z['x'],\n"
         "                              norm_w=z['norm_w'] if z['norm_w'].size else None, eps=float(z['eps']),\n"
         "                              epilogue=ep, y=z['y'].copy() if ep == 1 else None, tensor_cores=False)\n"
         "    np.save(sys.argv[1] + f'/out{i}.npy', y)\n" % len(calls)
     )
-    subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=dict(os.environ, **env), check=True)
-    return [np.load(tmp_path / f"out{i}.npy") for i in range(len(calls))]
+    run = subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=dict(os.environ, **env),
+                         stderr=subprocess.PIPE, text=True)
+    assert run.returncode == 0, run.stderr[-4000:]
+    launched: list[list[str]] = []
+    for line in run.stderr.splitlines():
+        if line.startswith("call "):
+            launched.append([])
+        elif line.startswith("specd gpu launch: ") and launched:
+            launched[-1].append(line.split()[3])
+    return [np.load(tmp_path / f"out{i}.npy") for i in range(len(calls))], launched
 
 
 def test_staged_digit_readers_give_the_same_bits(rng: np.random.Generator, tmp_path) -> None:
@@ -443,6 +459,37 @@ def test_staged_digit_readers_give_the_same_bits(rng: np.random.Generator, tmp_p
     for i, (c, y, ref) in enumerate(zip(calls, staged, refs)):
         what = f"call {i}: {c['ws'][0][0].name} K={c['ws'][0][3]} n={len(c['x'])} epilogue={c.get('epilogue', 0)}"
         np.testing.assert_array_equal(y.view(np.uint32), ref.view(np.uint32), what)
+
+
+# A decode call (one row of x) of Q4_K weights with rows of two steps of 32 chunks (2048 < K <=
+# 4096) and at most one block of 16 rows per SM (Qwen3-0.6B's ffn_down, K 3072, 64 blocks)
+# loads both steps before the grid wait (KqAhead, kq_ahead_kernel); the same chunks reach the
+# same sums, so SPECD_GPU_AHEAD=0 (kq_kernel) must give the same bits. Two rows of x, one-step
+# rows (K 2048) and more blocks than SMs (16384 rows: 1024 blocks) keep kq_kernel. (The other
+# calls have at most 19 blocks: any GPU these tests run on has that many SMs.)
+def test_ahead_reader_gives_the_same_bits(rng: np.random.Generator, tmp_path) -> None:
+    calls, ahead = [], []
+    for n_in, m in ((4096, 150), (3072, 100), (2304, 77), (2048, 150), (4096, 16384)):
+        w0, w1 = (random_weight(rng, T.Q4_K, m, n_in) for _ in range(2))
+        x = rng.standard_normal((2, n_in), dtype=np.float32) / np.sqrt(n_in)
+        norm_w = rng.uniform(0.5, 1.5, n_in).astype(np.float32)
+        y0 = rng.standard_normal((2, m), dtype=np.float32)
+        takes = n_in > 2048 and m < 16384
+        for n in (1, 2):
+            calls.append(dict(ws=[(T.Q4_K, w0, m, n_in)], x=x[:n]))
+            calls.append(dict(ws=[(T.Q4_K, w1, m, n_in)], x=x[:n], epilogue=1, y=y0[:n]))
+            calls.append(dict(ws=[(T.Q4_K, w0, m, n_in), (T.Q4_K, w1, m, n_in)], x=x[:n], norm_w=norm_w,
+                              eps=1e-6, epilogue=2))
+            ahead += [takes and n == 1] * 3
+    now, kernels = launches_in_subprocess(calls, tmp_path / "now", SPECD_GPU_LOG_LAUNCHES="1")
+    refs, ref_kernels = launches_in_subprocess(calls, tmp_path / "ref", SPECD_GPU_LOG_LAUNCHES="1",
+                                               SPECD_GPU_AHEAD="0")
+    for i, (c, y, ref) in enumerate(zip(calls, now, refs)):
+        what = f"call {i}: K={c['ws'][0][3]} rows={c['ws'][0][2]} n={len(c['x'])} epilogue={c.get('epilogue', 0)}"
+        assert kernels[i] == ["kq_ahead_kernel" if ahead[i] else "kq_kernel"], (what, kernels[i])
+        assert ref_kernels[i] == ["kq_kernel"], (what, ref_kernels[i])
+        np.testing.assert_array_equal(y.view(np.uint32), ref.view(np.uint32), what)
+        assert np.isfinite(y).all(), what
 
 
 # A launch mixing Q4_K and Q6_K rows (QKV with a Q6_K V, whose rows are read as words: the

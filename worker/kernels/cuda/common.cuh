@@ -4,6 +4,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <utility>
@@ -38,6 +39,7 @@ struct DevLimits {
   bool pdl = false;           // programmatic dependent launch: sm_90+ and SPECD_GPU_PDL != "0"
   bool mma = false;           // tensor-core mma.sync with fp16 inputs (NVIDIA sm_80+)
   bool wgmma = false;         // warpgroup MMA: an sm_90 device and a build with sm_90a code (SPECD_SM90A)
+  bool log = false;           // SPECD_GPU_LOG_LAUNCHES=1: every launch's kernel and grid on stderr
 };
 const DevLimits& dev_limits();
 
@@ -47,6 +49,7 @@ const DevLimits& dev_limits();
 template <class... P, class... A>
 inline void gpu_launch(const char* name, void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, gpuStream_t s,
                        A&&... args) {
+  if (dev_limits().log) std::fprintf(stderr, "specd gpu launch: %s grid %u x %u\n", name, grid.x, grid.y);
   check(gpu_launch_kernel(dev_limits().pdl, kernel, grid, block, smem, s, std::forward<A>(args)...), name);
 }
 

@@ -58,6 +58,7 @@ const DevLimits& dev_limits() {
 #endif
 #endif
     L.sms = std::max(1, p.multiProcessorCount);
+    L.log = env_value("SPECD_GPU_LOG_LAUNCHES") == "1";
   }
   return L;
 }

@@ -75,6 +75,15 @@ __host__ __device__ constexpr int stage_slots() {
   else return 1;
 }
 
+// Readers loading two steps ahead (R::kAhead): the stream's first two steps are issued before
+// the grid wait (into cur and nxt), and each step's successor two ahead after its sums. For
+// calls where a CTA's whole stream is those two steps (kq_ahead: one block of rows per CTA, two
+// steps a row), every weight byte is in flight while the kernel before finishes. The same sums.
+template <class R, class = void>
+struct IsAhead : std::false_type {};
+template <class R>
+struct IsAhead<R, std::void_t<decltype(R::kAhead)>> : std::bool_constant<R::kAhead> {};
+
 // Mixed readers (R::kMixed: blocks of rows of different weight types, one launch; with
 // R::last_is_slow(p): whether the last weight's blocks take longest) may have their slow
 // blocks moved to CTAs that take one block only (LinParams::move_n).
@@ -152,12 +161,14 @@ __global__ void __launch_bounds__(kThreads, R::min_blocks(NR)) direct_kernel(con
       ++l_seq;
     }
   };
+  constexpr bool kAhead = IsAhead<R>::value;
   typename R::Chunk cur[kRpg], nxt[kRpg];
   if constexpr (kStaged) {
     stage = smem + p.stage_off + (size_t)warp * kSlots * kRpg * R::region_bytes(hv);
     for (int k = 0; k + 1 < kSlots; ++k) issue();
   } else {
     fetch(cur);
+    if constexpr (kAhead) fetch(nxt);
   }
 
   gpu_grid_wait();
@@ -207,13 +218,14 @@ __global__ void __launch_bounds__(kThreads, R::min_blocks(NR)) direct_kernel(con
         group_sync();
         R::take(p, stage + (c_seq++ % kSlots) * kRpg * R::region_bytes(hv), nc, lane, i, cur);
         group_sync();  // every lane has its chunk before the slot is refilled
-      } else {
+      } else if constexpr (!kAhead) {
         fetch(nxt);
       }
       R::template dot<NR>(p, cur, smem, nc, i, lane, acc, type);
       if constexpr (!kStaged) {
 #pragma unroll
         for (int rr = 0; rr < kRpg; ++rr) cur[rr] = nxt[rr];
+        if constexpr (kAhead) fetch(nxt);
       }
     }
     int j0;
@@ -304,10 +316,15 @@ void launch(const LinearArgs& a, size_t row_bytes, gpuStream_t s, F&& fill) {
     p.stage_off = (int32_t)smem;  // (row_bytes: a multiple of 16)
     smem += R::stage_bytes(p.halves);
   }
-  switch (nr) {
-    case 1: launch_tile<R, 1>(p, smem, s); break;
-    case 2: launch_tile<R, 2>(p, smem, s); break;
-    default: launch_tile<R, kMaxTile>(p, smem, s); break;
+  if constexpr (IsAhead<R>::value) {  // (one row of x only: kq_linear)
+    SPECD_CHECK(nr == 1, "linear: the two-steps-ahead reader takes one row of x");
+    launch_tile<R, 1>(p, smem, s);
+  } else {
+    switch (nr) {
+      case 1: launch_tile<R, 1>(p, smem, s); break;
+      case 2: launch_tile<R, 2>(p, smem, s); break;
+      default: launch_tile<R, kMaxTile>(p, smem, s); break;
+    }
   }
 }
 

@@ -453,6 +453,33 @@ struct KqReader {
   }
 };
 
+// KqReader with the stream two steps ahead (matvec_direct.cuh, IsAhead) for one row of x: its
+// two steps of chunks live through the x preparation, so 121 registers and 2 CTAs per SM.
+template <class K>
+struct KqAhead : KqReader<K> {
+  static constexpr const char* kName = "kq_ahead_kernel";
+  static constexpr bool kAhead = true;
+  static constexpr int min_blocks(int) { return 2; }
+  template <int NR>
+  __device__ static void prep(const KqParams& p, const int32_t (&xoff)[NR], uint8_t* smem, float* ss) {
+    prep_digits<NR, false>(p, xoff, smem, ss);
+  }
+};
+
+// Whether a decode (one row of x) call of Q4_K weights takes KqAhead (SPECD_GPU_AHEAD=0: never):
+// rows of two steps (2048 < K <= 4096) and at most one block of rows per SM, so that each CTA's
+// every weight byte is in flight before the grid wait and the SM keeps room for the next
+// launch's CTAs. Qwen3-0.6B's Q4_K ffn_down (K 3072, 64 blocks) takes it: its decode step
+// 1.3-1.6 % shorter (H100, tools/device/ab_call.sh). Qwen3-8B's wo (256 blocks) does not: two
+// 121-register CTAs per SM kept gate/up's CTAs from becoming resident early, and its loads
+// during the decode attention slowed that; the step was level (...-h100_20261206_wo-ahead.md).
+bool kq_ahead(const LinearArgs& a) {
+  static const bool on = env_value("SPECD_GPU_AHEAD") != "0";
+  const int64_t nc = a.w[0]->n_in / 64;
+  return on && a.n == 1 && nc > kGroup && nc <= 2 * kGroup &&
+         cta_count(a, (int64_t)direct::kWarps * kRpg) <= dev_limits().sms;
+}
+
 // Copies `bytes` (a multiple of 16) from global src to shared dst with the group's `lanes`
 // lanes, 16 bytes per copy, asynchronously where the device has cp.async (sm_80+).
 __device__ __forceinline__ void copy_to_shared(uint8_t* dst, const uint8_t* src, int bytes, int lane, int lanes) {
@@ -581,7 +608,8 @@ bool kq_linear(const LinearArgs& a, gpuStream_t s) {
   } else if (q4 && q6) {
     direct::launch<KqReader<KqMix>>(a, row_bytes, s, fill);
   } else if (q4) {
-    direct::launch<KqReader<Kq<GgmlType::Q4_K>>>(a, row_bytes, s, fill);
+    if (kq_ahead(a)) direct::launch<KqAhead<Kq<GgmlType::Q4_K>>>(a, row_bytes, s, fill);
+    else direct::launch<KqReader<Kq<GgmlType::Q4_K>>>(a, row_bytes, s, fill);
   } else if (kq_staged<KqStaged<Q6, 2>>(a, row_bytes, "q6")) {
     direct::launch<KqStaged<Q6, 2>>(a, row_bytes, s, fill);
   } else {
