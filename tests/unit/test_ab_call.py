@@ -19,8 +19,11 @@ STUBS = {
     "tools/gen_gguf.py": 'import os, sys\nopen(os.environ["LOG"], "a").write("gen " + " ".join(sys.argv[1:]) + "\\n")\n',
     "tools/device/fwd_variants.py": ('import os, sys\nopen(os.environ["LOG"], "a").write("fwd " + "|".join(sys.argv[1:]) + "\\n")\n'
                                      'print("fwd1 stub")\n'),
+    # (and the SPECD_GPU_* settings it runs with, if any)
     "tools/device/trace_decode.py": ('import os, sys\nopen(os.environ["LOG"], "a").write('
-                                     '"trace " + " ".join(sys.argv[1:]) + " " + os.environ["SPECD_NATIVE_DIR"] + "\\n")\n'),
+                                     '" ".join(["trace", *sys.argv[1:], os.environ["SPECD_NATIVE_DIR"]] + '
+                                     'sorted(k + "=" + v for k, v in os.environ.items() if k.startswith("SPECD_GPU_")))'
+                                     ' + "\\n")\n'),
 }
 
 
@@ -89,6 +92,28 @@ def test_positions_sweep_and_traces_of_base_and_tree(tmp_path: Path) -> None:
     assert traces == sorted(f"trace {m8} --pos0 {p} --n-ctx 4200 --json {out}/trace-{b}-p{p}.json {d}"
                             for p in (64, 1000) for b, d in (("base", "/tmp/tbase/build/dev-base"),
                                                              ("tree", f"{tree}/build/dev-trace")))
+
+
+def test_build_variant_settings_no_forwards_and_traced_settings(tmp_path: Path) -> None:
+    # "build:NAME;VAR=VALUE": an EXTRA build run with those settings; FWD=0: no fwd_variants.py;
+    # TRACE_ENV: the tree's trace once more per setting, named after it
+    stub = ('import os, sys\nopen(os.environ["LOG"], "a").write("pos " + "|".join(sys.argv[1:]) + "\\n")\n')
+    calls = run(tmp_path, ["build:x;SPECD_GPU_A=1;SPECD_GPU_B=2", "build:x"], {"tools/device/pos_sweep.py": stub},
+                TESTS="", FWD="0", EXTRA="x:-DX=1", POSITIONS="64", TRACE="1", TRACE_POS="64",
+                TRACE_ENV="SPECD_GPU_AHEAD=0 SPECD_GPU_PDL=0", MODELS="qwen3-8b Q4_K_M")
+    tree, out = tmp_path / "tree", tmp_path / "out"
+    m8, base = "/dev/shm/m/qwen3-8b-Q4_K_M.random.gguf", "SPECD_NATIVE_DIR=/tmp/base/build/dev-base"
+    assert not any(c.startswith("fwd ") for c in calls)
+    assert "pos " + "|".join(["--positions", "64", "--n-ctx", "264", str(out / "ab-pos.json"), m8, "--", base, "",
+                              f"SPECD_NATIVE_DIR={tree}/build/dev-x;SPECD_GPU_A=1;SPECD_GPU_B=2",
+                              f"SPECD_NATIVE_DIR={tree}/build/dev-x"]) in calls
+    trace = f"trace {m8} --pos0 64 --n-ctx 264 --json {out}/trace-"
+    assert [c for c in calls if c.startswith("trace ")] == sorted([
+        f"{trace}base-p64.json /tmp/tbase/build/dev-base",
+        f"{trace}tree-p64.json {tree}/build/dev-trace",
+        f"{trace}tree-SPECD_GPU_AHEAD-0-p64.json {tree}/build/dev-trace SPECD_GPU_AHEAD=0",
+        f"{trace}tree-SPECD_GPU_PDL-0-p64.json {tree}/build/dev-trace SPECD_GPU_PDL=0",
+    ])
 
 
 # a patch that adds the file PATCHED (its text: "patched") at the tree's root

@@ -18,14 +18,17 @@
 #   3. unless TESTS is empty: pytest -q -x $TESTS (default tests/gpu) on the working tree's build;
 #   4. tools/device/fwd_variants.py $OUT/ab.json over the models: the base, the working tree, then
 #      each VARIANT ("VAR=VALUE;VAR=VALUE" for the working tree's build with those settings,
-#      "build:NAME" for the EXTRA build NAME); REPEAT=1 runs the base and the working tree twice, to
-#      show the noise;
+#      "build:NAME" for the EXTRA build NAME, "build:NAME;VAR=VALUE;..." that build with those
+#      settings); REPEAT=1 runs the base and the working tree twice, to show the noise; FWD=0
+#      skips this step (a call that only sweeps positions or traces);
 #   4b. with POSITIONS ("64,1000,4000"): tools/device/pos_sweep.py $OUT/ab-pos.json, the same
 #      variants' decode steps after each of those positions (n_ctx: the last one + 200);
 #   5. with TRACE=1: tools/device/trace_decode.py on the first model, one position and 16
 #      ($OUT/trace-n1.json, $OUT/trace-n16.json); with TRACE_POS ("64,1000,4000") instead one
 #      position after each of those, on the tree's trace build and on a trace build of the base
-#      (/tmp/tbase; $OUT/trace-base-pP.json, $OUT/trace-tree-pP.json; n_ctx as POSITIONS').
+#      (/tmp/tbase; $OUT/trace-base-pP.json, $OUT/trace-tree-pP.json; n_ctx as POSITIONS'), and
+#      with TRACE_ENV ("VAR=VALUE ...") the tree's trace once more per setting
+#      ($OUT/trace-tree-VAR-VALUE-pP.json).
 # Builds keep their logs in /tmp/build-NAME.log (the last lines of a failed one are printed).
 # The whole run stays within the device's 600 s a call only with few models and variants: about
 # 75 s to build, 60 s of tests, ~10 s per 0.6B variant and ~25 s per 8B one, ~15 s per trace.
@@ -102,14 +105,18 @@ variants=("SPECD_NATIVE_DIR=/tmp/base/build/dev-base" "")
 [ "${REPEAT:-0}" = 1 ] && variants+=("SPECD_NATIVE_DIR=/tmp/base/build/dev-base" "")
 for v in "$@"; do
   if [[ "$v" == build:* ]]; then
-    name="${v#build:}"
-    variants+=("SPECD_NATIVE_DIR=${where[$name]:-$PWD}/build/dev-$name")
+    name="${v#build:}" settings=""
+    [[ "$name" == *";"* ]] && settings=";${name#*;}" name="${name%%;*}"
+    variants+=("SPECD_NATIVE_DIR=${where[$name]:-$PWD}/build/dev-$name$settings")
   else
     variants+=("$v")
   fi
 done
-timeout 300 python3 tools/device/fwd_variants.py "$OUT/ab.json" "${paths[@]}" -- "${variants[@]}" 2>&1 | grep -E "fwd1|Error|error"
-say "forwards timed"
+if [ "${FWD:-1}" != 0 ]; then
+  timeout 300 python3 tools/device/fwd_variants.py "$OUT/ab.json" "${paths[@]}" -- "${variants[@]}" 2>&1 |
+    grep -E "fwd1|Error|error"
+  say "forwards timed"
+fi
 
 if [ -n "${POSITIONS:-}" ]; then
   timeout 300 python3 tools/device/pos_sweep.py --positions "$POSITIONS" --n-ctx "$n_ctx" "$OUT/ab-pos.json" \
@@ -119,11 +126,13 @@ fi
 
 if [ $trace_base = 1 ]; then
   for p in ${TRACE_POS//,/ }; do
-    for b in base tree; do
-      dir=$PWD/build/dev-trace
+    read -r -a settings <<< "${TRACE_ENV:-}"
+    for b in base tree "${settings[@]}"; do
+      dir=$PWD/build/dev-trace name=$b set=()
       [ $b = base ] && dir=/tmp/tbase/build/dev-base
-      SPECD_NATIVE_DIR=$dir timeout 90 python3 tools/device/trace_decode.py "${paths[0]}" --pos0 "$p" --n-ctx "$n_ctx" \
-        --json "$OUT/trace-$b-p$p.json" 2>&1 | grep -E "attn|forward"
+      [[ $b == *=* ]] && name="tree-${b//=/-}" set=("$b")
+      env "${set[@]}" SPECD_NATIVE_DIR=$dir timeout 90 python3 tools/device/trace_decode.py "${paths[0]}" --pos0 "$p" \
+        --n-ctx "$n_ctx" --json "$OUT/trace-$name-p$p.json" 2>&1 | grep -E "attn|forward"
     done
   done
   say "traced"
