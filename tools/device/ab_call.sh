@@ -125,9 +125,9 @@ if [ -n "${POSITIONS:-}" ]; then
 fi
 
 if [ $trace_base = 1 ]; then
+  read -r -a trace_env <<< "${TRACE_ENV:-}"
   for p in ${TRACE_POS//,/ }; do
-    read -r -a settings <<< "${TRACE_ENV:-}"
-    for b in base tree "${settings[@]}"; do
+    for b in base tree "${trace_env[@]}"; do
       dir=$PWD/build/dev-trace name=$b set=()
       [ $b = base ] && dir=/tmp/tbase/build/dev-base
       [[ $b == *=* ]] && name="tree-${b//=/-}" set=("$b")
