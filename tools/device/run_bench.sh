@@ -2,7 +2,8 @@
 # The GPU benchmark in one command, on the GPU machine (no network), from the repo root. Carry
 # .whl (the gguf wheel) and .device (the llama.cpp archive). specd's native module with the CUDA
 # backend must import (`python3 -c "import worker.engine"`, PYTHONPATH / SPECD_NATIVE_DIR set), or
-# SPECD_BUILD builds it here, alongside llama.cpp.
+# SPECD_BUILD builds it here, alongside llama.cpp (SPECD_NATIVE_DIR unset: the newest
+# build/dev-*/ holding the module, where tools/dev_build.sh puts it).
 #
 #   OUT=... bash tools/device/run_bench.sh
 #
@@ -19,6 +20,8 @@
 #      (tools/device/profile_decode.py under ncu, tools/device/ncu_summary.py), CSVs in $OUT;
 #   7. (STACK_MODEL) the whole serving stack on cuda:0 (bench/bench_stack.py --device cuda:0):
 #      what a streamed OpenAI request costs per token next to the in-process engine.
+# The llama.cpp build alone takes ~4 min of the 16 cores; beside SPECD_BUILD it had done 163 of
+# its 279 steps after 240 s (2026-12-06, H100 machine): with llama.cpp, keep BUDGET_S >= 500.
 # Environment: BUDGET_S (the whole run, default 540 s, counted from BENCH_T0: an epoch second,
 # default now; export BENCH_T0=$(date +%s) at the start of a longer command to count its earlier
 # work), MODELS, LLAMA (0: no llama.cpp), LLAMA_BENCH_BIN (a built llama-bench: no build), REPS
@@ -82,6 +85,15 @@ if [[ -n ${SPECD_BUILD:-} ]]; then
 fi
 python3 -c "import gguf; print('gguf', gguf.__version__ if hasattr(gguf, '__version__') else '', gguf.__file__)" \
   || { echo "cannot import gguf: carry .whl (the gguf wheel)"; exit 1; }
+# a build by tools/dev_build.sh NAME lands in build/dev-NAME, which nothing points at unless the
+# caller set SPECD_NATIVE_DIR: then the newest such folder holding the module is taken
+if [[ -z ${SPECD_NATIVE_DIR:-} ]]; then
+  so=$(ls -t build/dev-*/_specd*.so 2>/dev/null | head -1)
+  if [[ -n $so ]]; then
+    export SPECD_NATIVE_DIR=$ROOT/$(dirname "$so")
+    echo "SPECD_NATIVE_DIR unset: using $SPECD_NATIVE_DIR (the newest build/dev-* module)"
+  fi
+fi
 python3 -c "import worker.engine as e; print('specd native types:', e.native.supported_types())" \
   || echo "SPECD DOES NOT IMPORT: specd's numbers will be missing; llama.cpp's still run"
 if [[ ${PYTEST:-0} == 1 ]]; then
