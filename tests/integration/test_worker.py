@@ -444,7 +444,11 @@ def test_sigterm_finishes_current_job_then_exits_0(worker):
     ea = worker.events(a)
     _, done = assert_well_formed(ea, worker.worker_id)
     assert done.finish_reason in ("length", "stop") and done.usage.completion_tokens > 1
-    assert worker.proc.wait(WAIT_S) == 0
+    try:
+        rc = worker.proc.wait(WAIT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"worker still running {WAIT_S} s after SIGTERM and its job's end:\n{worker.log()}")
+    assert rc == 0, worker.log()
     assert worker.redis.exists(worker.keys.worker(worker.worker_id)) == 0
     # B was never taken: still queued for another worker, no events written for it.
     assert b in worker.queue().get_job_ids()

@@ -1,6 +1,7 @@
-"""tools/device/run_bench.sh, the GPU benchmark's one command, run here with the model writer,
-the benchmark and specd's engine replaced by stubs: which native module the benchmark gets when
-the call builds one (SPECD_BUILD) without saying where it went."""
+"""tools/device/run_bench.sh, the GPU benchmark's one command, run here with the model writer and
+the benchmark replaced by stubs: which native module folder the benchmark gets when the call
+builds one (SPECD_BUILD) without saying where it went. (Its import check of worker.engine is
+not asserted on: an editable install's import hook finds the real package before PYTHONPATH.)"""
 from __future__ import annotations
 
 import os
@@ -18,10 +19,6 @@ STUBS = {
     # the benchmark records the module folder it runs with
     "bench/bench_gpu.py": ('import os\nopen(os.environ["LOG"], "a").write('
                            '"bench " + os.environ.get("SPECD_NATIVE_DIR", "-") + "\\n")\n'),
-    "worker/__init__.py": "",
-    # specd imports only where a module folder is named
-    "worker/engine.py": ('import os\nif not os.environ.get("SPECD_NATIVE_DIR"):\n    raise ImportError("no module")\n'
-                         'class native:\n    supported_types = staticmethod(lambda: ["F32"])\n'),
 }
 
 
@@ -53,7 +50,7 @@ BUILD = "mkdir -p build/dev-old build/dev-gpu && touch build/dev-old/_specd.so &
 def test_a_build_without_a_module_folder_runs_the_newest_build(tmp_path: Path) -> None:
     calls, out = run(tmp_path, SPECD_BUILD=BUILD)
     assert calls == [f"bench {tmp_path}/tree/build/dev-gpu"]
-    assert "SPECD DOES NOT IMPORT" not in out
+    assert f"SPECD_NATIVE_DIR unset: using {tmp_path}/tree/build/dev-gpu" in out
 
 
 def test_a_named_module_folder_is_kept(tmp_path: Path) -> None:
@@ -61,7 +58,7 @@ def test_a_named_module_folder_is_kept(tmp_path: Path) -> None:
     assert calls == ["bench /elsewhere"]
 
 
-def test_no_build_and_no_folder_is_reported(tmp_path: Path) -> None:
+def test_no_build_leaves_the_folder_unset(tmp_path: Path) -> None:
     calls, out = run(tmp_path)
     assert calls == ["bench -"]
-    assert "SPECD DOES NOT IMPORT" in out
+    assert "SPECD_NATIVE_DIR unset" not in out
