@@ -51,6 +51,7 @@ RESULT_TTL_S = 60          # RQ return values (always None) are not used
 FAILURE_TTL_S = 24 * 3600  # failed jobs stay inspectable for a day (rq's default: a year)
 POLL_S = 1                 # blocking-pop timeout while idle = worst-case idle stop latency
 MAINTENANCE_S = 10         # rq registry cleanup interval (moves abandoned jobs to failed)
+PUBSUB_JOIN_S = 5          # at a stop, the longest wait for rq's command thread (a daemon)
 
 
 # ---- configuration ----
@@ -180,6 +181,31 @@ def _resident_worker_class():
                 if result is not None:
                     return result
             return None
+
+        def unsubscribe(self):
+            # rq's order, UNSUBSCRIBE and then stop the command thread, loses a race with
+            # redis-py 8's PubSubWorkerThread.stop() (it joins without a timeout): a thread
+            # that reads the UNSUBSCRIBE reply before its flag clears goes back to wait for a
+            # subscription for get_message's 60 s, and the stopping worker waits with it (a
+            # SIGTERM'd worker took 60 s to exit, about 1 stop in 10 on a loaded 2-core
+            # machine). The flag first, then the reply wakes the thread, which sees it and
+            # closes its connection.
+            thread = self.pubsub_thread
+            if thread is None:
+                return
+            self.pubsub_thread = None
+            try:
+                thread.stop(timeout=0)   # (redis-py >= 8: also a join, bounded here)
+            except TypeError:
+                thread.stop()            # (older: only clears the flag)
+            try:
+                self.pubsub.unsubscribe()
+            except Exception as exc:     # Redis gone: the daemon thread dies with the process
+                log.warning("worker %s: cannot unsubscribe from %s: %s", self.name, self.pubsub_channel_name, exc)
+            thread.join(timeout=PUBSUB_JOIN_S)
+            if thread.is_alive():
+                log.warning("worker %s: command thread still running after %.0f s; exiting without it",
+                            self.name, PUBSUB_JOIN_S)
 
         def get_heartbeat_ttl(self, job, working_time: float = 0.0) -> int:
             return self.execution_ttl_s

@@ -435,6 +435,44 @@ def test_a_speculating_worker_streams_the_plain_greedy_tokens(worker, redis_url,
         delete_prefix(redis_url, prefix)
 
 
+def test_stop_does_not_wait_out_the_command_threads_poll(redis_url, redis_prefix):
+    """rq's command thread reading its UNSUBSCRIBE reply before its stop flag clears (the
+    interleaving forced here) made a SIGTERM'd worker wait 60 s before exiting."""
+    import threading
+
+    import redis
+    from rq import Queue
+
+    from worker.service import PUBSUB_JOIN_S, _resident_worker_class
+
+    conn = redis.Redis.from_url(redis_url)
+    w = _resident_worker_class()([Queue(f"{redis_prefix}:q", connection=conn)], name=f"{redis_prefix}-w",
+                                 connection=conn)
+    w.subscribe()
+    thread, pubsub = w.pubsub_thread, w.pubsub
+    real = pubsub.unsubscribe
+
+    def unsubscribe_then_let_the_thread_read_the_reply(*args, **kwargs):
+        out = real(*args, **kwargs)
+        deadline = time.monotonic() + 5
+        while pubsub.subscribed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return out
+
+    pubsub.unsubscribe = unsubscribe_then_let_the_thread_read_the_reply
+    stopper = threading.Thread(target=w.unsubscribe, daemon=True)
+    t0 = time.monotonic()
+    stopper.start()
+    stopper.join(PUBSUB_JOIN_S + 10)
+    try:
+        assert not stopper.is_alive(), "unsubscribe() still waiting after 15 s"
+        assert not thread.is_alive()
+        assert time.monotonic() - t0 < PUBSUB_JOIN_S
+        assert w.pubsub_thread is None
+    finally:
+        conn.close()
+
+
 def test_sigterm_finishes_current_job_then_exits_0(worker):
     """Runs last: stops the module's worker."""
     a = worker.submit(prompt=COUNTING, max_tokens=60, sampling=GREEDY)
