@@ -184,20 +184,20 @@ def _resident_worker_class():
 
         def unsubscribe(self):
             # rq's order, UNSUBSCRIBE and then stop the command thread, loses a race with
-            # redis-py 8's PubSubWorkerThread.stop() (it joins without a timeout): a thread
+            # redis-py 8.2's PubSubWorkerThread.stop() (it joins without a timeout): a thread
             # that reads the UNSUBSCRIBE reply before its flag clears goes back to wait for a
             # subscription for get_message's 60 s, and the stopping worker waits with it (a
-            # SIGTERM'd worker took 60 s to exit, about 1 stop in 10 on a loaded 2-core
-            # machine). The flag first, then the reply wakes the thread, which sees it and
-            # closes its connection.
+            # SIGTERM'd worker took 60 s to exit in 1 run of test_worker.py in 4 on a loaded
+            # 2-core machine). The flag first, then the reply wakes the thread, which sees it
+            # and closes its connection.
             thread = self.pubsub_thread
             if thread is None:
                 return
             self.pubsub_thread = None
             try:
-                thread.stop(timeout=0)   # (redis-py >= 8: also a join, bounded here)
+                thread.stop(timeout=0)   # (where stop() takes a timeout it also joins: bounded here)
             except TypeError:
-                thread.stop()            # (older: only clears the flag)
+                thread.stop()            # (redis-py 5: only clears the flag)
             try:
                 self.pubsub.unsubscribe()
             except Exception as exc:     # Redis gone: the daemon thread dies with the process

@@ -435,19 +435,17 @@ def test_a_speculating_worker_streams_the_plain_greedy_tokens(worker, redis_url,
         delete_prefix(redis_url, prefix)
 
 
-def test_stop_does_not_wait_out_the_command_threads_poll(redis_url, redis_prefix):
+def test_stop_does_not_wait_out_the_command_threads_poll(redis_client, redis_prefix):
     """rq's command thread reading its UNSUBSCRIBE reply before its stop flag clears (the
     interleaving forced here) made a SIGTERM'd worker wait 60 s before exiting."""
     import threading
 
-    import redis
     from rq import Queue
 
     from worker.service import PUBSUB_JOIN_S, _resident_worker_class
 
-    conn = redis.Redis.from_url(redis_url)
-    w = _resident_worker_class()([Queue(f"{redis_prefix}:q", connection=conn)], name=f"{redis_prefix}-w",
-                                 connection=conn)
+    w = _resident_worker_class()([Queue(f"{redis_prefix}:q", connection=redis_client)],
+                                 name=f"{redis_prefix}-w", connection=redis_client)
     w.subscribe()
     thread, pubsub = w.pubsub_thread, w.pubsub
     real = pubsub.unsubscribe
@@ -464,13 +462,10 @@ def test_stop_does_not_wait_out_the_command_threads_poll(redis_url, redis_prefix
     t0 = time.monotonic()
     stopper.start()
     stopper.join(PUBSUB_JOIN_S + 10)
-    try:
-        assert not stopper.is_alive(), "unsubscribe() still waiting after 15 s"
-        assert not thread.is_alive()
-        assert time.monotonic() - t0 < PUBSUB_JOIN_S
-        assert w.pubsub_thread is None
-    finally:
-        conn.close()
+    assert not stopper.is_alive(), "unsubscribe() still waiting after 15 s"
+    assert not thread.is_alive()
+    assert time.monotonic() - t0 < PUBSUB_JOIN_S
+    assert w.pubsub_thread is None
 
 
 def test_sigterm_finishes_current_job_then_exits_0(worker):
