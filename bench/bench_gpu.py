@@ -18,7 +18,8 @@ error is recorded and the next model runs):
     greedy tok/s and tau per k against plain steps of the same speculating engine.
 Bandwidth floor: a decode step reads every weight once (all matrices and norms, and the
 output head; a tied token_embd counted once, as the head; an untied one not at all: one row is
-gathered), so decode tok/s <= 4.27e12 B/s (the H200's measured copy bandwidth) / those bytes.
+gathered), so decode tok/s <= the GPU's bandwidth / those bytes: its device-to-device copy bandwidth
+measured at the start (bench/machine.py; 4.27e12 B/s on the H200), or --bandwidth B/s.
 
 With --llama-bench PATH, llama-bench runs on the same files (`-p 16,512,4096 -n 128 -fa 1
 -ngl 99 -o json`): pp512/pp4096 prefill, tg128 decode, and its verify cost = time(pp16) /
@@ -57,13 +58,13 @@ import time
 import traceback
 from pathlib import Path
 
-from machine import cpu_name, gpu_info  # bench/machine.py (scripts run from bench/)
+from machine import cpu_name, gpu_info, measured_bandwidth  # bench/machine.py (scripts run from bench/)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-BANDWIDTH = 4.27e12  # B/s, H200 device-to-device copy measured here (FACTS.md)
+H200_BANDWIDTH = 4.27e12  # B/s, the H200's device-to-device copy (FACTS.md): where none can be measured
 PROMPT = 64          # prompt tokens before decoding; pos0 of the decode / verify forwards
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # what --variant may set
 
@@ -71,7 +72,7 @@ ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # what --variant may set
 # ---------------------------------------------------------------- model files
 
 
-def gguf_summary(path: Path) -> dict:
+def gguf_summary(path: Path, bandwidth: float = H200_BANDWIDTH) -> dict:
     """Reads a GGUF header fast (no tokenizer parsing): scalar metadata and each tensor's
     bytes; returns {name, arch, file_type, shape, type, tensor_bytes, bytes_per_token, ...}."""
     import gguf
@@ -131,7 +132,7 @@ def gguf_summary(path: Path) -> dict:
         "file_bytes": path.stat().st_size,
         "tensor_bytes": sum(tensors.values()),
         "bytes_per_token": read,
-        "floor_tok_s": BANDWIDTH / read,
+        "floor_tok_s": bandwidth / read,
     }
 
 
@@ -566,7 +567,8 @@ def plot(rows: list[dict], path: Path, report: dict, pp: int, depths: list[int] 
     x = np.arange(len(rows))
     labels = [r["label"] for r in rows]
     for ax, key, ylabel, title in (
-        (axes[0], "pct_floor", "% of bandwidth floor", "decode, batch 1 (% of 4.27 TB/s floor)"),
+        (axes[0], "pct_floor", "% of bandwidth floor",
+         f"decode, batch 1 (% of the {report['bandwidth_B_s'] / 1e12:.2f} TB/s floor)"),
         (axes[1], "prefill", "tokens / s", f"prefill {pp} tokens"),
     ):
         pairs = ((("decode_gen_pct_floor", "specd"), ("llama_decode_pct_floor", "llama.cpp")) if key == "pct_floor"
@@ -632,6 +634,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", default="cuda:0", help="specd device (cpu: a dry run on the CPU engine)")
     ap.add_argument("--llama-bench", default=None, metavar="PATH", help="llama-bench executable")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    ap.add_argument("--bandwidth", type=float, default=None, metavar="B/S",
+                    help="the bandwidth floors divide by (default: the GPU's copy bandwidth, measured)")
     ap.add_argument("--gen", type=int, default=128, help="greedy tokens to decode")
     ap.add_argument("--prefill", default="512,4096", help="prefill lengths (comma-separated)")
     ap.add_argument("--verify", default="2,4,8,16,17,32", help="verify widths k (comma-separated)")
@@ -677,6 +681,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def resolve_bandwidth(args: argparse.Namespace) -> tuple[float, str]:
+    """The B/s the floors divide by, and where it came from: --bandwidth, else the GPU's copy
+    bandwidth measured now, else (a CPU dry run, or no PyTorch) the H200's."""
+    if args.bandwidth:
+        return args.bandwidth, "--bandwidth"
+    if args.device.startswith("cpu"):
+        return H200_BANDWIDTH, "the H200's copy bandwidth (a CPU dry run)"
+    try:
+        return measured_bandwidth(), "device-to-device copy measured at the start"
+    except Exception as exc:  # the benchmark still runs; its floors say what they assumed
+        return H200_BANDWIDTH, f"the H200's copy bandwidth (measuring failed: {type(exc).__name__}: {exc})"
+
+
 def main() -> int:
     args = parse_args()
     if args.child:
@@ -694,11 +711,13 @@ def main() -> int:
         print("no models: give GGUF files or --generate SHAPE:TYPE", file=sys.stderr)
         return 2
 
+    bandwidth, bandwidth_source = resolve_bandwidth(args)
+    print(f"bandwidth floor: {bandwidth / 1e12:.2f} TB/s ({bandwidth_source})", flush=True)
     rows = []
     for i, path in enumerate(models, 1):
         row: dict = {"path": str(path), "label": path.name, "bytes_per_token": 0, "floor_tok_s": 0.0}
         try:
-            row.update(gguf_summary(path))
+            row.update(gguf_summary(path, bandwidth))
             row["label"] = f"{row['shape']} {row['type']}"
         except Exception as exc:
             row["error"] = f"{type(exc).__name__}: {exc}"
@@ -746,7 +765,8 @@ def main() -> int:
                     "host": platform.node()},
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                      if k not in ("child", "child_out", "models")},
-        "bandwidth_B_s": BANDWIDTH,
+        "bandwidth_B_s": bandwidth,
+        "bandwidth_source": bandwidth_source,
         "wall_s": time.monotonic() - start,
         "results": rows,
     }

@@ -5,6 +5,7 @@ from __future__ import annotations
 import platform
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 
@@ -44,3 +45,35 @@ def gpu_info() -> dict:
     except Exception as exc:  # no torch, or no device: not an error for a CPU dry run
         info["torch_error"] = f"{type(exc).__name__}: {exc}"
     return info
+
+
+def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 20) -> float:
+    """Device 0's device-to-device copy bandwidth in B/s (bytes read plus bytes written, the best of
+    `reps` copies of `nbytes`, timed with CUDA events; PyTorch). Raises where there is no GPU."""
+    import torch
+
+    a = torch.empty(nbytes // 2, dtype=torch.float16, device="cuda")
+    b = torch.empty_like(a)
+    b.copy_(a)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(reps):
+        start.record()
+        b.copy_(a)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return 2 * nbytes / best
+
+
+def measured_bandwidth(timeout: float = 120) -> float:
+    """copy_bandwidth() in a child process (whose CUDA context then goes away with it)."""
+    out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--copy-bandwidth"], capture_output=True,
+                         text=True, timeout=timeout)
+    if out.returncode != 0:
+        raise RuntimeError((out.stderr.strip().splitlines() or ["no output"])[-1])
+    return float(out.stdout.split()[-1])
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--copy-bandwidth"]:
+    print(copy_bandwidth())

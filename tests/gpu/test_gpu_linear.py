@@ -98,7 +98,8 @@ def small_bound(ax: np.ndarray, aw: np.ndarray, extra: float = 0.0) -> np.ndarra
     fma: K/32 roundings per term at most), then a 5-level butterfly: at most K/32 + 16
     roundings per product. Tensor-core path (matvec_tc.cu: F16, and Q8_0, Q4_K, Q6_K with
     SPECD_GPU_TC=all; K % 32 == 0): x keeps 22 bits (4 roundings), then K/64 MMA accumulations per warp, a scale fma per
-    16 elements and 7 warp sums: fewer. So |err| <= (K/32 + 20) u |x||W|^T for both.
+    16 elements (Q4_K: per 128, after 16 MMAs, and an offset fma per 32) and 7 warp sums: fewer. So |err| <= (K/32 +
+    20) u |x||W|^T for both.
     `extra` adds roundings (fused norm: w*nw or x*nw, the inv factor's own error).
     Digit path (Q8_0, Q4_K, Q6_K on the CUDA cores): x is first rounded to the power-of-two
     grid of its 32-element block, 23 bits below the block's bound 2^E <= 2 max|x_block|: an

@@ -133,3 +133,22 @@ def test_variants_parse_and_refuse_ambiguity(capsys):
         with pytest.raises(SystemExit):
             bench_gpu.parse_args(["m.gguf", *bad])
         assert message in capsys.readouterr().err
+
+
+def test_floor_bandwidth_is_the_gpus_own(monkeypatch):
+    # The floors divide by the bandwidth of the GPU the benchmark runs on (an H100's copy is ~30 %
+    # below the H200's 4.27 TB/s), measured unless --bandwidth names one; a failed measurement
+    # falls back to the H200's figure and says so in the report.
+    monkeypatch.setattr(bench_gpu, "measured_bandwidth", lambda: 2.9e12)
+    assert bench_gpu.resolve_bandwidth(bench_gpu.parse_args(["m.gguf"])) == (
+        2.9e12, "device-to-device copy measured at the start")
+    assert bench_gpu.resolve_bandwidth(bench_gpu.parse_args(["m.gguf", "--bandwidth", "3.35e12"])) == (
+        3.35e12, "--bandwidth")
+    assert bench_gpu.resolve_bandwidth(bench_gpu.parse_args(["m.gguf", "--device", "cpu"]))[0] == 4.27e12
+
+    def no_gpu():
+        raise RuntimeError("CUDA unavailable")
+
+    monkeypatch.setattr(bench_gpu, "measured_bandwidth", no_gpu)
+    bw, source = bench_gpu.resolve_bandwidth(bench_gpu.parse_args(["m.gguf"]))
+    assert bw == 4.27e12 and source.endswith("(measuring failed: RuntimeError: CUDA unavailable)")

@@ -18,12 +18,15 @@
 //   P_w     = the float32 tensor-core accumulation (mma m16n8k16, fp16 x fp16 -> f32, exact
 //            products) over the K units of 32 elements u = w, w + 8, w + 16, ... in
 //            ascending order, each unit as 4 MMAs: hi of its first 16, lo of them, hi of its
-//            last 16, lo of them. F16 weights are the A operand as stored; quantized
-//            weights w = s q (+ m) enter as their small integers q (exact in fp16): each
+//            last 16, lo of them. F16 weights are the A operand as stored; Q8_0 / Q6_K
+//            weights w = s q enter as their small integers q (exact in fp16): each
 //            16-element half goes through its own 2 MMAs from zero, D, and then
-//            P += s * D (s the scale of those 16 elements: Q8_0 d, Q4_K d sc (d sc / 16 for
-//            high nibbles, read in place as 16 q), Q6_K d sc of its 16-element sub-block),
-//            and for Q4_K P += m * (sum of the unit's scaled x), m = -dmin mn.
+//            P += s * D (s the scale of those 16 elements: Q8_0 d, Q6_K d sc of its
+//            16-element sub-block). Q4_K (w = d sc q - dmin mn) takes its units by halves of
+//            super-blocks instead (q4k_stage: warp w the 4 units of half w % 2 of the
+//            stage's super-block w / 2): A = sc q (exact in fp16), the half's 16 MMAs from
+//            zero into D in unit order, P += m * (sum of the unit's scaled x) per unit
+//            (m = -dmin mn), then P += d * D.
 // Nothing in it depends on n, on the other rows of x, on which column of the MMA a row sits
 // in, or on the launch shape (rows per CTA): a row's result is bit-identical whatever else
 // is computed with it (the tests check this on the device).
@@ -202,22 +205,21 @@ struct TcRow;
 
 template <>
 struct TcRow<GgmlType::F16> {  // 8 halves, no scale
-  static constexpr bool kScaled = false, kAffine = false;
+  static constexpr bool kScaled = false;
   struct Raw { uint2 lo, hi; };
   __device__ static void fetch(const uint8_t* row, int u, int c, Raw& r) {
     r.lo = *reinterpret_cast<const uint2*>(row + 64 * u + 8 * c);
     r.hi = *reinterpret_cast<const uint2*>(row + 64 * u + 32 + 8 * c);
   }
-  __device__ static void frag(const Raw& r, int64_t, uint32_t (&a)[4], float (&s)[2], float& m) {
+  __device__ static void frag(const Raw& r, int64_t, uint32_t (&a)[4], float (&s)[2]) {
     a[0] = r.lo.x; a[1] = r.lo.y; a[2] = r.hi.x; a[3] = r.hi.y;
     s[0] = s[1] = 1.f;
-    m = 0.f;
   }
 };
 
 template <>
 struct TcRow<GgmlType::Q8_0> {  // {d; q[32] int8}: w = d q
-  static constexpr bool kScaled = true, kAffine = false;
+  static constexpr bool kScaled = true;
   struct Raw { uint32_t q0, q1, d; };
   __device__ static void fetch(const uint8_t* row, int u, int c, Raw& r) {
     const uint8_t* b = row + 34 * u;
@@ -225,53 +227,19 @@ struct TcRow<GgmlType::Q8_0> {  // {d; q[32] int8}: w = d q
     r.q0 = ld_u32_a2(b + 2 + 4 * c);
     r.q1 = ld_u32_a2(b + 18 + 4 * c);
   }
-  __device__ static void frag(const Raw& r, int64_t, uint32_t (&a)[4], float (&s)[2], float& m) {
+  __device__ static void frag(const Raw& r, int64_t, uint32_t (&a)[4], float (&s)[2]) {
     const uint32_t q0 = r.q0 ^ 0x80808080u, q1 = r.q1 ^ 0x80808080u;  // q + 128
     a[0] = h2_sub(bytes01_h2(q0), 1152.f);
     a[1] = h2_sub(bytes23_h2(q0), 1152.f);
     a[2] = h2_sub(bytes01_h2(q1), 1152.f);
     a[3] = h2_sub(bytes23_h2(q1), 1152.f);
     s[0] = s[1] = f16_bits(r.d);
-    m = 0.f;
-  }
-};
-
-template <>
-struct TcRow<GgmlType::Q4_K> {  // unit u = sub-block u % 8 of super-block u / 8
-  static constexpr bool kScaled = true, kAffine = true;
-  struct Raw { uint32_t dd, lo, mid, hi, q0, q1; };
-  __device__ static void fetch(const uint8_t* row, int u, int c, Raw& r) {
-    const uint8_t* b = row + 144 * (u / 8);
-    const int j = u % 8, p = 2 * ((j / 2) & 1);
-    r.dd = ld_u32(b);
-    r.lo = ld_u16(b + 4 + p);
-    r.mid = ld_u16(b + 8 + p);
-    r.hi = ld_u16(b + 12 + p);
-    r.q0 = ld_u32(b + 16 + 32 * (j / 2) + 4 * c);
-    r.q1 = ld_u32(b + 32 + 32 * (j / 2) + 4 * c);
-  }
-  __device__ static void frag(const Raw& r, int64_t u, uint32_t (&a)[4], float (&s)[2], float& m) {
-    const int j = (int)(u % 8), g = j / 2;
-    // scale/min of the pair (2g, 2g+1) as kquant_pair (quants.cuh), then this sub-block's byte
-    const uint32_t sc_hi = (r.hi & 0x0F0Fu) | ((r.lo >> 2) & 0x3030u);
-    const uint32_t mn_hi = ((r.hi >> 4) & 0x0F0Fu) | ((r.mid >> 2) & 0x3030u);
-    const uint32_t sc2 = g < 2 ? r.lo & 0x3F3Fu : sc_hi, mn2 = g < 2 ? r.mid & 0x3F3Fu : mn_hi;
-    const uint32_t sc = (j & 1) ? sc2 >> 8 : sc2 & 0xFF, mn = (j & 1) ? mn2 >> 8 : mn2 & 0xFF;
-    // low nibbles: 1024 + q; high nibbles kept in place: 1024 + 16 q (the 16 goes to the scale)
-    const uint32_t keep = (j & 1) ? 0xFFF0FFF0u : 0xFF0FFF0Fu;
-    a[0] = h2_sub(bytes01_h2(r.q0) & keep, 1024.f);
-    a[1] = h2_sub(bytes23_h2(r.q0) & keep, 1024.f);
-    a[2] = h2_sub(bytes01_h2(r.q1) & keep, 1024.f);
-    a[3] = h2_sub(bytes23_h2(r.q1) & keep, 1024.f);
-    const float d = f16_bits(r.dd & 0xFFFF), dmin = f16_bits(r.dd >> 16);
-    s[0] = s[1] = d * small_int(sc) * ((j & 1) ? 0.0625f : 1.f);
-    m = -(dmin * small_int(mn));
   }
 };
 
 template <>
 struct TcRow<GgmlType::Q6_K> {  // unit u: l = 0..31 of quarter u % 4 of half (u % 8) / 4; two 16-element scales
-  static constexpr bool kScaled = true, kAffine = false;
+  static constexpr bool kScaled = true;
   struct Raw { uint32_t la, lb, ha, hb, sc, d; };
   __device__ static void fetch(const uint8_t* row, int u, int c, Raw& r) {
     const uint8_t* b = row + 210 * (u / 8);
@@ -284,7 +252,7 @@ struct TcRow<GgmlType::Q6_K> {  // unit u: l = 0..31 of quarter u % 4 of half (u
     r.sc = ld_u16(b + 192 + 8 * hf + 2 * qt);
     r.d = ld_u16(b + 208);
   }
-  __device__ static void frag(const Raw& r, int64_t u, uint32_t (&a)[4], float (&s)[2], float& m) {
+  __device__ static void frag(const Raw& r, int64_t u, uint32_t (&a)[4], float (&s)[2]) {
     const int qt = (int)(u % 4), ns = 4 * (qt >> 1), hs = 2 * qt;
     const uint32_t qa = ((r.la >> ns) & 0x0F0F0F0Fu) | (((r.ha >> hs) & 0x03030303u) << 4);
     const uint32_t qb = ((r.lb >> ns) & 0x0F0F0F0Fu) | (((r.hb >> hs) & 0x03030303u) << 4);
@@ -295,12 +263,112 @@ struct TcRow<GgmlType::Q6_K> {  // unit u: l = 0..31 of quarter u % 4 of half (u
     const float d = f16_bits(r.d);
     s[0] = d * (float)(int8_t)(r.sc & 0xFF);
     s[1] = d * (float)(int8_t)(r.sc >> 8);
-    m = 0.f;
   }
 };
 #endif
 
 #if SPECD_MMA
+__device__ __forceinline__ __half2 as_h2(uint32_t v) { return *reinterpret_cast<const __half2*>(&v); }
+__device__ __forceinline__ uint32_t h2_bits(__half2 v) { return *reinterpret_cast<const uint32_t*>(&v); }
+
+// ---- Q4_K, a stage's 32 units (4 super-blocks) per CTA: warp w takes the 4 units of half hb =
+// w % 2 of super-block w / 2 (sub-blocks j = 4 hb + i, i < 4, one d and one dmin). The
+// sub-block scales go into the weights: A = sc_j q, an integer <= 945, exact in fp16, so the
+// warp's MMAs run on through its 4 units (i ascending, per unit hi and lo of its first 16
+// elements, then of its last 16) from zero into D, and only then P += d D; before that, per
+// unit, P += m_j xsum_j (m_j = -(dmin mn_j), xsum_j the unit's sum of the scaled x).
+// The half's 6-bit scales and minima come from the 12 scale bytes once per row: for j < 4
+// sc_j = byte j & 63, mn_j = byte 4 + j & 63; for j >= 4 sc_j = (byte 4 + j & 15) | (byte
+// j - 4 >> 6) << 4, mn_j = (byte 4 + j >> 4) | (byte j >> 6) << 4 (kquant_pair, quants.cuh).
+// Nibbles to fp16: the byte 0x64 above a byte v makes the half 1024 + v, and hfma2(1024 + v, s,
+// -1024 s) = v s exactly (a fused operation rounding an exact small integer); low nibbles (v
+// = q) take s = sc, high nibbles kept in place (v = 16 q) s = sc / 16 (exact in fp16).
+template <int MT, int NT, class RowAt, class LoadB>
+__device__ __forceinline__ void q4k_stage(int64_t stage_u0, int64_t n_units, int warp, int c, RowAt&& row_at,
+                                          LoadB&& load_b, float (&acc)[MT][NT][4]) {
+  const int hb = warp & 1;
+  const int64_t u0 = stage_u0 + 4 * warp;
+  if (u0 >= n_units) return;
+  uint32_t sc4[MT][2], mn4[MT][2];  // [m-tile][row g, g + 8]: the half's 4 scales and minima, a byte each
+  float d[MT][2], dmin[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* b = row_at(mt, h) + 144 * (warp >> 1);
+      const uint32_t dm = ld_u32(b), w0 = ld_u32(b + 4), w1 = ld_u32(b + 8), w2 = ld_u32(b + 12);
+      sc4[mt][h] = hb ? ((w2 & 0x0F0F0F0Fu) | ((w0 >> 2) & 0x30303030u)) : (w0 & 0x3F3F3F3Fu);
+      mn4[mt][h] = hb ? (((w2 >> 4) & 0x0F0F0F0Fu) | ((w1 >> 2) & 0x30303030u)) : (w1 & 0x3F3F3F3Fu);
+      d[mt][h] = f16_bits(dm & 0xFFFF);
+      dmin[mt][h] = f16_bits(dm >> 16);
+    }
+  float D[MT][NT][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) D[mt][t][e] = 0.f;
+#pragma unroll
+  for (int pp = 0; pp < 2; ++pp) {  // the pair of sub-blocks 4 hb + 2 pp (low nibbles), + 1 (high)
+    uint32_t qw[MT][2][2];  // its bytes 4c .. 4c + 3 and 16 + 4c .. 16 + 4c + 3
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint8_t* qs = row_at(mt, h) + 144 * (warp >> 1) + 16 + 64 * hb + 32 * pp + 4 * c;
+        qw[mt][h][0] = ld_u32(qs);
+        qw[mt][h][1] = ld_u32(qs + 16);
+      }
+#pragma unroll
+    for (int hi = 0; hi < 2; ++hi) {
+      const int i = 2 * pp + hi;
+      uint32_t bh[NT][4], bl[NT][4];
+      float xs[NT][2];
+      load_b(u0 + i, bh, bl, xs);
+      const uint32_t keep = hi ? 0xFFF0FFF0u : 0xFF0FFF0Fu;
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        uint32_t a[2][4];  // [row g, g + 8][fragment register]
+        float mneg[2];     // -(dmin mn_j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          mneg[h] = -(dmin[mt][h] * small_int((mn4[mt][h] >> (8 * i)) & 0xFFu));
+          const __half2 s1 = __hsub2(as_h2(__byte_perm(sc4[mt][h], 0x64646464u, 0x4040u | (i << 8) | i)),
+                                     __float2half2_rn(1024.f));
+          const __half2 sv = hi ? __hmul2(s1, __float2half2_rn(0.0625f)) : s1;
+          const __half2 nb = __hmul2(sv, __float2half2_rn(-1024.f));
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {  // q0 bytes 01, 23, q1 bytes 01, 23 as halves 1024 + byte
+            const uint32_t w = qw[mt][h][k >> 1];
+            a[h][k] = h2_bits(__hfma2(as_h2((k & 1 ? bytes23_h2(w) : bytes01_h2(w)) & keep), sv, nb));
+          }
+        }
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+          mma16816(D[mt][t], a[0][0], a[1][0], a[0][1], a[1][1], bh[t][0], bh[t][1]);
+          mma16816(D[mt][t], a[0][0], a[1][0], a[0][1], a[1][1], bl[t][0], bl[t][1]);
+          mma16816(D[mt][t], a[0][2], a[1][2], a[0][3], a[1][3], bh[t][2], bh[t][3]);
+          mma16816(D[mt][t], a[0][2], a[1][2], a[0][3], a[1][3], bl[t][2], bl[t][3]);
+          acc[mt][t][0] = fmaf(mneg[0], xs[t][0], acc[mt][t][0]);
+          acc[mt][t][1] = fmaf(mneg[0], xs[t][1], acc[mt][t][1]);
+          acc[mt][t][2] = fmaf(mneg[1], xs[t][0], acc[mt][t][2]);
+          acc[mt][t][3] = fmaf(mneg[1], xs[t][1], acc[mt][t][3]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      acc[mt][t][0] = fmaf(d[mt][0], D[mt][t][0], acc[mt][t][0]);
+      acc[mt][t][1] = fmaf(d[mt][0], D[mt][t][1], acc[mt][t][1]);
+      acc[mt][t][2] = fmaf(d[mt][1], D[mt][t][2], acc[mt][t][2]);
+      acc[mt][t][3] = fmaf(d[mt][1], D[mt][t][3], acc[mt][t][3]);
+    }
+}
+
 // A tile: 16 * MT weight rows of one weight (SwiGLU: 8 * MT gate rows over the same up rows).
 struct Tile {
   const TcWeight* w0;  // its weight (SwiGLU: the gate)
@@ -365,25 +433,15 @@ __device__ __forceinline__ void tile_body(const TcParams& p, const Tile& tl, int
     __syncthreads();               // ... everyone's; and stage q - 1's buffer is free again
     issue();
     const uint8_t* buf = stg + (size_t)(q % kStages) * kRows * pitch;
-    // warp w: units w, w + 8, ... of the stage (so over the stages w, w + 8, w + 16, ... of K)
-#pragma unroll 1
-    for (int i = 0; i < ups / kWarps; ++i) {
-      const int ul = warp + kWarps * i;
-      const int64_t u = st * ups + ul;
-      if (u >= n_units) break;
-      typename R::Raw raw[MT][2];
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const uint8_t* start = rp[mt][h] + st * sb;
-          R::fetch(buf + (16 * mt + 8 * h + g) * pitch + ((uintptr_t)start & 15), ul, c, raw[mt][h]);
-        }
-      // B fragments of every n-tile: x row 8t + g at the lane's elements of MMA 0 and 1; for
-      // Q4_K also the unit's sum of the scaled x of the rows in this lane's C columns
+    // the lane's staged bytes of row slot (mt, h) in this stage
+    auto row_at = [&](int mt, int h) {
+      return buf + (16 * mt + 8 * h + g) * pitch + ((uintptr_t)(rp[mt][h] + st * sb) & 15);
+    };
+    // B fragments of every n-tile for unit u: x row 8t + g at the lane's elements of MMA 0 and
+    // 1; for Q4_K also the unit's sum of the scaled x of the rows in this lane's C columns
+    auto load_b = [&](int64_t u, uint32_t (&bh)[NT][4], uint32_t (&bl)[NT][4], float (&xs)[NT][2]) {
       const int64_t k0 = kUnit * u;
-      uint32_t bh[NT][4], bl[NT][4];
-      float xs[NT][2];  // Q4_K: sum over the unit of the scaled x of rows 8t + 2c and 8t + 2c + 1
+      (void)k0;
       if (p.xstage) {
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
@@ -396,7 +454,7 @@ __device__ __forceinline__ void tile_body(const TcParams& p, const Tile& tl, int
           }
           bh[t][0] = a.x; bh[t][1] = a.y; bh[t][2] = a.z; bh[t][3] = a.w;
           bl[t][0] = b.x; bl[t][1] = b.y; bl[t][2] = b.z; bl[t][3] = b.w;
-          if constexpr (R::kAffine) {
+          if constexpr (T == GgmlType::Q4_K) {
             const int64_t r0 = 8 * t + 2 * c;
             xs[t][0] = r0 < n ? xsum[r0 * n_units + u] : 0.f;
             xs[t][1] = r0 + 1 < n ? xsum[(r0 + 1) * n_units + u] : 0.f;
@@ -410,7 +468,7 @@ __device__ __forceinline__ void tile_body(const TcParams& p, const Tile& tl, int
           const int64_t r = 8 * t + g;
           float sum;
           x_frag(p, r, k0, xo, r < n ? fac[r] : 0.f, nw, bh[t], bl[t], sum);
-          if constexpr (R::kAffine) {
+          if constexpr (T == GgmlType::Q4_K) {
             sum += gpu_shfl_xor(sum, 1);  // the 4 lanes of row g: fixed butterfly
             sum += gpu_shfl_xor(sum, 2);
             xs[t][0] = __shfl_sync(0xffffffffu, sum, 4 * (2 * c));
@@ -418,12 +476,30 @@ __device__ __forceinline__ void tile_body(const TcParams& p, const Tile& tl, int
           }
         }
       }
+    };
+    if constexpr (T == GgmlType::Q4_K) {
+      q4k_stage<MT, NT>(st * ups, n_units, warp, c, row_at, load_b, acc);
+    } else {
+    // warp w: units w, w + 8, ... of the stage (so over the stages w, w + 8, w + 16, ... of K)
+#pragma unroll 1
+    for (int i = 0; i < ups / kWarps; ++i) {
+      const int ul = warp + kWarps * i;
+      const int64_t u = st * ups + ul;
+      if (u >= n_units) break;
+      typename R::Raw raw[MT][2];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) R::fetch(row_at(mt, h), ul, c, raw[mt][h]);
+      uint32_t bh[NT][4], bl[NT][4];
+      float xs[NT][2];  // (unused: no offset)
+      load_b(u, bh, bl, xs);
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         uint32_t a0[4], a1[4];
-        float s0[2], s1[2], m0, m1;
-        R::frag(raw[mt][0], u, a0, s0, m0);  // row g
-        R::frag(raw[mt][1], u, a1, s1, m1);  // row g + 8
+        float s0[2], s1[2];
+        R::frag(raw[mt][0], u, a0, s0);  // row g
+        R::frag(raw[mt][1], u, a1, s1);  // row g + 8
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
           if constexpr (!R::kScaled) {
@@ -442,15 +518,10 @@ __device__ __forceinline__ void tile_body(const TcParams& p, const Tile& tl, int
               acc[mt][t][2] = fmaf(s1[h], d[2], acc[mt][t][2]);
               acc[mt][t][3] = fmaf(s1[h], d[3], acc[mt][t][3]);
             }
-            if constexpr (R::kAffine) {
-              acc[mt][t][0] = fmaf(m0, xs[t][0], acc[mt][t][0]);
-              acc[mt][t][1] = fmaf(m0, xs[t][1], acc[mt][t][1]);
-              acc[mt][t][2] = fmaf(m1, xs[t][0], acc[mt][t][2]);
-              acc[mt][t][3] = fmaf(m1, xs[t][1], acc[mt][t][3]);
-            }
           }
         }
       }
+    }
     }
   }
 
