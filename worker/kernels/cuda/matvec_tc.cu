@@ -270,6 +270,16 @@ struct TcRow<GgmlType::Q6_K> {  // unit u: l = 0..31 of quarter u % 4 of half (u
 #if SPECD_MMA
 __device__ __forceinline__ __half2 as_h2(uint32_t v) { return *reinterpret_cast<const __half2*>(&v); }
 __device__ __forceinline__ uint32_t h2_bits(__half2 v) { return *reinterpret_cast<const uint32_t*>(&v); }
+// MMA accumulators (MT m-tiles x NT n-tiles) set to zero
+template <int MT, int NT>
+__device__ __forceinline__ void zero_tiles(float (&a)[MT][NT][4]) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) a[mt][t][e] = 0.f;
+}
 
 // ---- Q4_K, a stage's 32 units (4 super-blocks) per CTA: warp w takes the 4 units of half hb =
 // w % 2 of super-block w / 2 (sub-blocks j = 4 hb + i, i < 4, one d and one dmin). The
@@ -303,12 +313,7 @@ __device__ __forceinline__ void q4k_stage(int64_t stage_u0, int64_t n_units, int
       dmin[mt][h] = f16_bits(dm >> 16);
     }
   float D[MT][NT][4];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int t = 0; t < NT; ++t)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) D[mt][t][e] = 0.f;
+  zero_tiles(D);
 #pragma unroll
   for (int pp = 0; pp < 2; ++pp) {  // the pair of sub-blocks 4 hb + 2 pp (low nibbles), + 1 (high)
     uint32_t qw[MT][2][2];  // its bytes 4c .. 4c + 3 and 16 + 4c .. 16 + 4c + 3
@@ -420,12 +425,7 @@ __device__ __forceinline__ void tile_body(const TcParams& p, const Tile& tl, int
   const float* xsum = reinterpret_cast<const float*>(xst + n * xpitch);
 
   float acc[MT][NT][4];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int t = 0; t < NT; ++t)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[mt][t][i] = 0.f;
+  zero_tiles(acc);
 
   const int64_t n_st = stages_of(T, n_units, p.f16_units);
   for (int64_t st = 0; st < n_st; ++st, ++q) {
