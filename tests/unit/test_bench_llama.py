@@ -152,3 +152,18 @@ def test_floor_bandwidth_is_the_gpus_own(monkeypatch):
     monkeypatch.setattr(bench_gpu, "measured_bandwidth", no_gpu)
     bw, source = bench_gpu.resolve_bandwidth(bench_gpu.parse_args(["m.gguf"]))
     assert bw == 4.27e12 and source.endswith("(measuring failed: RuntimeError: CUDA unavailable)")
+
+
+def test_measuring_the_bandwidth_without_a_gpu_says_why():
+    # measured_bandwidth() runs the copy in a child process; on a machine without PyTorch or a GPU
+    # the child's last error line comes back as the reason (resolve_bandwidth then falls back).
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("a GPU is visible: the measurement would succeed")
+    except ImportError:
+        pass
+    # e.g. "ModuleNotFoundError: No module named 'torch'"
+    with pytest.raises(RuntimeError, match=r"^\w+(Error|Exception): \S"):
+        bench_gpu.measured_bandwidth(timeout=120)
