@@ -55,9 +55,13 @@
 // History (H200, 8B Q4_K_M with SPECD_GPU_TC=all): reading each lane's 4- and 16-byte pieces
 // straight from global memory a unit ahead kept too few bytes in flight (one step 9.1 ms);
 // staging the rows through shared memory gave 7.2 ms, persistent CTAs 6.5 ms (CUDA cores:
-// 5.0 ms). What limits it now is instructions (ncu: ~360 per warp and unit of 16 * MT rows,
+// 5.0 ms). What limited it then was instructions (ncu: ~360 per warp and unit of 16 * MT rows,
 // most of them decoding the per-row scales, which each of a row's 4 lanes repeats), not the
-// MMAs (tensor pipe 4-8 % busy) or the bytes.
+// MMAs (tensor pipe 4-8 % busy) or the bytes. Q4_K's scales, decoded once per half
+// super-block and folded into the weights (q4k_stage), took the step from 6.4 to 5.4 ms
+// (2026-12-06, against 2.2 on the CUDA cores; 16 positions 11.6 -> 11.3 ms): past 5 rows of x
+// (K = 4096) what limits it is x, converted to fp16 halves per unit in every tile
+// (bench/results/gpu_nvidia-h200_20261206d_tc-q4k-halves.md).
 #include <algorithm>
 #include <cstdlib>
 #include <mutex>
