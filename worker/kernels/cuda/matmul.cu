@@ -238,12 +238,7 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const MmParams p, con
   };
 
   float acc[MT][NT][4];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
+  zero_tiles(acc);
 
   // Ring: stages 0 .. kStages-2 in flight before the loop; step t waits for stage t, starts
   // the copies of stage t + kStages - 1 (into the slot step t - 1 read: every warp is past it

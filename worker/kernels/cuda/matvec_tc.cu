@@ -274,16 +274,6 @@ struct TcRow<GgmlType::Q6_K> {  // unit u: l = 0..31 of quarter u % 4 of half (u
 #if SPECD_MMA
 __device__ __forceinline__ __half2 as_h2(uint32_t v) { return *reinterpret_cast<const __half2*>(&v); }
 __device__ __forceinline__ uint32_t h2_bits(__half2 v) { return *reinterpret_cast<const uint32_t*>(&v); }
-// MMA accumulators (MT m-tiles x NT n-tiles) set to zero
-template <int MT, int NT>
-__device__ __forceinline__ void zero_tiles(float (&a)[MT][NT][4]) {
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int t = 0; t < NT; ++t)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) a[mt][t][e] = 0.f;
-}
 
 // ---- Q4_K, a stage's 32 units (4 super-blocks) per CTA: warp w takes the 4 units of half hb =
 // w % 2 of super-block w / 2 (sub-blocks j = 4 hb + i, i < 4, one d and one dmin). The
@@ -445,7 +435,6 @@ __device__ __forceinline__ void tile_body(const TcParams& p, const Tile& tl, int
     // 1; for Q4_K also the unit's sum of the scaled x of the rows in this lane's C columns
     auto load_b = [&](int64_t u, uint32_t (&bh)[NT][4], uint32_t (&bl)[NT][4], float (&xs)[NT][2]) {
       const int64_t k0 = kUnit * u;
-      (void)k0;
       if (p.xstage) {
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
@@ -484,48 +473,48 @@ __device__ __forceinline__ void tile_body(const TcParams& p, const Tile& tl, int
     if constexpr (T == GgmlType::Q4_K) {
       q4k_stage<MT, NT>(st * ups, n_units, warp, c, row_at, load_b, acc);
     } else {
-    // warp w: units w, w + 8, ... of the stage (so over the stages w, w + 8, w + 16, ... of K)
+      // warp w: units w, w + 8, ... of the stage (so over the stages w, w + 8, w + 16, ... of K)
 #pragma unroll 1
-    for (int i = 0; i < ups / kWarps; ++i) {
-      const int ul = warp + kWarps * i;
-      const int64_t u = st * ups + ul;
-      if (u >= n_units) break;
-      typename R::Raw raw[MT][2];
+      for (int i = 0; i < ups / kWarps; ++i) {
+        const int ul = warp + kWarps * i;
+        const int64_t u = st * ups + ul;
+        if (u >= n_units) break;
+        typename R::Raw raw[MT][2];
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) R::fetch(row_at(mt, h), ul, c, raw[mt][h]);
-      uint32_t bh[NT][4], bl[NT][4];
-      float xs[NT][2];  // (unused: no offset)
-      load_b(u, bh, bl, xs);
+          for (int h = 0; h < 2; ++h) R::fetch(row_at(mt, h), ul, c, raw[mt][h]);
+        uint32_t bh[NT][4], bl[NT][4];
+        float xs[NT][2];  // (unused: no offset)
+        load_b(u, bh, bl, xs);
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        uint32_t a0[4], a1[4];
-        float s0[2], s1[2];
-        R::frag(raw[mt][0], u, a0, s0);  // row g
-        R::frag(raw[mt][1], u, a1, s1);  // row g + 8
+        for (int mt = 0; mt < MT; ++mt) {
+          uint32_t a0[4], a1[4];
+          float s0[2], s1[2];
+          R::frag(raw[mt][0], u, a0, s0);  // row g
+          R::frag(raw[mt][1], u, a1, s1);  // row g + 8
 #pragma unroll
-        for (int t = 0; t < NT; ++t) {
-          if constexpr (!R::kScaled) {
-            mma16816(acc[mt][t], a0[0], a1[0], a0[1], a1[1], bh[t][0], bh[t][1]);
-            mma16816(acc[mt][t], a0[0], a1[0], a0[1], a1[1], bl[t][0], bl[t][1]);
-            mma16816(acc[mt][t], a0[2], a1[2], a0[3], a1[3], bh[t][2], bh[t][3]);
-            mma16816(acc[mt][t], a0[2], a1[2], a0[3], a1[3], bl[t][2], bl[t][3]);
-          } else {
+          for (int t = 0; t < NT; ++t) {
+            if constexpr (!R::kScaled) {
+              mma16816(acc[mt][t], a0[0], a1[0], a0[1], a1[1], bh[t][0], bh[t][1]);
+              mma16816(acc[mt][t], a0[0], a1[0], a0[1], a1[1], bl[t][0], bl[t][1]);
+              mma16816(acc[mt][t], a0[2], a1[2], a0[3], a1[3], bh[t][2], bh[t][3]);
+              mma16816(acc[mt][t], a0[2], a1[2], a0[3], a1[3], bl[t][2], bl[t][3]);
+            } else {
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {  // q.x of MMA h's 16 elements, then its scale
-              float d[4] = {0.f, 0.f, 0.f, 0.f};
-              mma16816(d, a0[2 * h], a1[2 * h], a0[2 * h + 1], a1[2 * h + 1], bh[t][2 * h], bh[t][2 * h + 1]);
-              mma16816(d, a0[2 * h], a1[2 * h], a0[2 * h + 1], a1[2 * h + 1], bl[t][2 * h], bl[t][2 * h + 1]);
-              acc[mt][t][0] = fmaf(s0[h], d[0], acc[mt][t][0]);
-              acc[mt][t][1] = fmaf(s0[h], d[1], acc[mt][t][1]);
-              acc[mt][t][2] = fmaf(s1[h], d[2], acc[mt][t][2]);
-              acc[mt][t][3] = fmaf(s1[h], d[3], acc[mt][t][3]);
+              for (int h = 0; h < 2; ++h) {  // q.x of MMA h's 16 elements, then its scale
+                float d[4] = {0.f, 0.f, 0.f, 0.f};
+                mma16816(d, a0[2 * h], a1[2 * h], a0[2 * h + 1], a1[2 * h + 1], bh[t][2 * h], bh[t][2 * h + 1]);
+                mma16816(d, a0[2 * h], a1[2 * h], a0[2 * h + 1], a1[2 * h + 1], bl[t][2 * h], bl[t][2 * h + 1]);
+                acc[mt][t][0] = fmaf(s0[h], d[0], acc[mt][t][0]);
+                acc[mt][t][1] = fmaf(s0[h], d[1], acc[mt][t][1]);
+                acc[mt][t][2] = fmaf(s1[h], d[2], acc[mt][t][2]);
+                acc[mt][t][3] = fmaf(s1[h], d[3], acc[mt][t][3]);
+              }
             }
           }
         }
       }
-    }
     }
   }
 

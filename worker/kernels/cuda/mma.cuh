@@ -26,6 +26,17 @@ namespace specd {
 namespace gpu {
 
 #if SPECD_MMA
+// MMA accumulators (MT m-tiles x NT n-tiles of the 4 floats a lane holds of each) set to zero
+template <int MT, int NT>
+__device__ __forceinline__ void zero_tiles(float (&a)[MT][NT][4]) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) a[mt][t][e] = 0.f;
+}
+
 // d += A (16 x 16, rows g/g+8, slots 2c.. and 2c+8..) * B (16 x 8), fp16 in, float32 accumulate
 __device__ __forceinline__ void mma16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                          uint32_t b0, uint32_t b1) {
