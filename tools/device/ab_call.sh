@@ -22,7 +22,8 @@
 #      settings); REPEAT=1 runs the base and the working tree twice, to show the noise; FWD=0
 #      skips this step (a call that only sweeps positions or traces);
 #   4b. with POSITIONS ("64,1000,4000"): tools/device/pos_sweep.py $OUT/ab-pos.json, the same
-#      variants' decode steps after each of those positions (n_ctx: the last one + 200);
+#      variants' decode steps after each of those positions (n_ctx: the last one + 200); with
+#      SWEEP_N (e.g. 16) forwards of that many positions instead (a speculative verify);
 #   5. with TRACE=1: tools/device/trace_decode.py on the first model, one position and 16
 #      ($OUT/trace-n1.json, $OUT/trace-n16.json); with TRACE_POS ("64,1000,4000") instead one
 #      position after each of those, on the tree's trace build and on a trace build of the base
@@ -119,7 +120,7 @@ if [ "${FWD:-1}" != 0 ]; then
 fi
 
 if [ -n "${POSITIONS:-}" ]; then
-  timeout 300 python3 tools/device/pos_sweep.py --positions "$POSITIONS" --n-ctx "$n_ctx" "$OUT/ab-pos.json" \
+  timeout 300 python3 tools/device/pos_sweep.py --n "${SWEEP_N:-1}" --positions "$POSITIONS" --n-ctx "$n_ctx" "$OUT/ab-pos.json" \
     "${paths[@]}" -- "${variants[@]}" 2>&1 | grep -v "^RESULT"
   say "positions swept"
 fi
