@@ -86,8 +86,8 @@ def test_positions_sweep_and_traces_of_base_and_tree(tmp_path: Path) -> None:
     tree, out = tmp_path / "tree", tmp_path / "out"
     m8, base = "/dev/shm/m/qwen3-8b-Q4_K_M.random.gguf", "SPECD_NATIVE_DIR=/tmp/base/build/dev-base"
     assert "build_base .device/base.patch /tmp/tbase" in calls and "dev_build trace [-DSPECD_GPU_TRACE=1]" in calls
-    assert "pos " + "|".join(["--n", "1", "--positions", "64,4000,300", "--n-ctx", "4200", str(out / "ab-pos.json"), m8, "--",
-                              base, "", "SPECD_GPU_X=1"]) in calls
+    assert "pos " + "|".join(["--n", "1", "--positions", "64,4000,300", "--n-ctx", "4200", str(out / "ab-pos.json"),
+                              m8, "--", base, "", "SPECD_GPU_X=1"]) in calls
     traces = [c for c in calls if c.startswith("trace ")]
     assert traces == sorted(f"trace {m8} --pos0 {p} --n-ctx 4200 --json {out}/trace-{b}-p{p}.json {d}"
                             for p in (64, 1000) for b, d in (("base", "/tmp/tbase/build/dev-base"),
@@ -105,8 +105,8 @@ def test_build_variant_settings_no_forwards_and_traced_settings(tmp_path: Path) 
     tree, out = tmp_path / "tree", tmp_path / "out"
     m8, base = "/dev/shm/m/qwen3-8b-Q4_K_M.random.gguf", "SPECD_NATIVE_DIR=/tmp/base/build/dev-base"
     assert not any(c.startswith("fwd ") for c in calls)
-    assert "pos " + "|".join(["--n", "16", "--positions", "64", "--n-ctx", "264", str(out / "ab-pos.json"), m8, "--", base, "",
-                              f"SPECD_NATIVE_DIR={tree}/build/dev-x;SPECD_GPU_A=1;SPECD_GPU_B=2",
+    assert "pos " + "|".join(["--n", "16", "--positions", "64", "--n-ctx", "264", str(out / "ab-pos.json"), m8, "--",
+                              base, "", f"SPECD_NATIVE_DIR={tree}/build/dev-x;SPECD_GPU_A=1;SPECD_GPU_B=2",
                               f"SPECD_NATIVE_DIR={tree}/build/dev-x"]) in calls
     trace = f"trace {m8} --pos0 64 --n-ctx 264 --json {out}/trace-"
     assert [c for c in calls if c.startswith("trace ")] == sorted([
