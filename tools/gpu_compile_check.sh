@@ -55,6 +55,10 @@ if [[ "$what" == cuda || "$what" == all ]]; then
   done
   for p in "${pids[@]}"; do wait "$p" || { echo "gpu_compile_check: the SPECD_GPU_TRACE=1 build failed"; exit 1; }; done
   echo "gpu_compile_check: cuda with SPECD_GPU_TRACE=1 OK ($((SECONDS - t0)) s)"
+  # bench/bench_sync.py's program (built on the device machine): as that script builds it
+  nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -c bench/gpu_sync.cu -o build/check-cuda/gpu_sync.o ||
+    { echo "gpu_compile_check: bench/gpu_sync.cu failed"; exit 1; }
+  echo "gpu_compile_check: bench/gpu_sync.cu OK"
 fi
 
 if [[ "$what" == hip || "$what" == all ]]; then
