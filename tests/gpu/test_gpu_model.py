@@ -104,17 +104,22 @@ def test_logits_match_cpu(tmp_path, arch, weight_type):
           f"prefill {el:.2e}")
 
 
+@pytest.mark.parametrize("start", [40, 240], ids=["first-chunk", "across-256"])
 @pytest.mark.parametrize("tensor_cores", [False, True], ids=["cuda-cores", "tensor-cores"])
 @pytest.mark.parametrize("weight_type", ["F16", "Q8_0", "Q4_K"])
-def test_forward_is_batch_invariant_on_device(tmp_path, weight_type, tensor_cores):
+def test_forward_is_batch_invariant_on_device(tmp_path, weight_type, tensor_cores, start):
     """A position's logits are bit-identical whether computed alone (decode) or with up to
-    64 others (speculative verify): what makes speculation on the GPU lossless."""
+    64 others (speculative verify): what makes speculation on the GPU lossless. Decode steps
+    from position 256 (kAttnApartFrom) combine the attention chunks in a launch of their own
+    (another graph), those before it in the decode kernel, and a verify folds them: from 240
+    the 33 positions cross 256, where the combine moves and a chunk boundary for every chunk
+    size (kAttnChunk, 64 to 256); from 40 they stay in the first chunk where it is 256."""
     from worker.engine import Engine
     from worker.model_file import open_model
 
     path = _model(tmp_path, f"inv_{weight_type}", weight_type, arch="qwen3")
     rng = np.random.default_rng([SEED, 2])
-    prompt = rng.integers(0, 300, size=40).astype(np.int32)
+    prompt = rng.integers(0, 300, size=start).astype(np.int32)
     more = rng.integers(0, 300, size=33).astype(np.int32)
     with Engine(open_model(path), device=_device(), n_ctx=512, tensor_cores=tensor_cores) as eng:
         a, b = eng.new_sequence(), eng.new_sequence()

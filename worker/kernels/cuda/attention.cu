@@ -128,6 +128,7 @@ struct AttnParams {
   int32_t n_tiles;     // row tiles of the block shape in use
   float scale;
   int32_t fold;        // 1: the partial kernel combines (the last block of a tile's chunks)
+  int32_t apart;       // decode: never fold (AttnArgs::combine_apart)
   int* counters;       // [n_tiles, n_kv] blocks done per (row tile, KV head); 0 between launches
   // rope_kv's step fused in (attention.cuh: AttnArgs::rope), when fuse != 0
   int32_t fuse;
@@ -1174,7 +1175,7 @@ bool launch_dec_hd(AttnParams P, gpuStream_t s) {
   const size_t smem = (size_t)nb * D::kBuf + D::kTail;
   // the fold's combine works in the ring, q and S (not past them: ml holds its flag)
   const size_t fold_room = (size_t)nb * D::kBuf + sizeof(float) * kDecMaxRows * (HD + kChunk);
-  P.fold = P.n_chunks > 1 && !fold_off() &&
+  P.fold = P.n_chunks > 1 && !fold_off() && !P.apart &&
            sizeof(float) * (size_t)combine_rows_floats(P.group, P.n_chunks, P.hd) <= fold_room;
   auto kern = attn_decode_kernel<HD, KvT>;
   SPECD_GPU_CHECK(gpuFuncSetAttribute(kern, gpuFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
@@ -1281,6 +1282,7 @@ void attention(const AttnArgs& a, gpuStream_t s) {
   // One query: attn_decode_kernel where it applies (its launch: r0 = 0, one query).
   P.r0 = 0;
   P.nq = 1;
+  P.apart = a.combine_apart ? 1 : 0;
   const bool dec = a.n == 1 && launch_decode(P, a.kv_f16, kDryRun);
   // The fused step: one launch of at most kAttnMaxFusedRows queries whose block shape has the
   // shared memory for the new rows (SPECD_GPU_FUSE_ROPE=0: never, for benchmarks).

@@ -34,6 +34,16 @@ namespace gpu {
 #endif
 constexpr int64_t kAttnChunk = SPECD_ATTN_CHUNK;  // (a multiple of 64; -D for experiments)
 static_assert(kAttnChunk % 64 == 0 && kAttnChunk <= 256, "attention chunk");
+#ifndef SPECD_ATTN_APART_FROM
+#define SPECD_ATTN_APART_FROM 256
+#endif
+// The position from which a decode step combines the chunks in a launch of its own
+// (AttnArgs::combine_apart; -D for experiments; past kAttnChunk only: before it there is one
+// chunk and nothing to combine). Below it the decode kernel's last block of a KV head combines
+// them. Chunks of 64 positions (combined apart from 64; H100, 2026-12-07,
+// `..._20261207_chunks.md`) made steps at 1000 positions 6.5 % (8B Q4_K_M) and 17 % (0.6B
+// Q8_0) shorter, but those at 64 5-7 % longer, and were level at 4000.
+constexpr int64_t kAttnApartFrom = SPECD_ATTN_APART_FROM;
 // Calls of at most this many queries take rope_kv's step inside the attention kernel (below):
 // decode. (Measured on the H200, 20261201: fused 16-row verifies were 5-15 % slower, the block's
 // eight warps norming and roping up to 96 heads one after another.)
@@ -62,6 +72,13 @@ struct AttnArgs {
   // K/V row to the cache. Bits equal rope_kv then attention. Otherwise (or where shared memory
   // is short) rope_kv's kernel runs first.
   const RopeKvArgs* rope = nullptr;
+  // Decode (one query) past the first chunk: the chunks' combine in its own launch rather than
+  // folded into the decode kernel (the last block of a KV head combining): the combine's blocks
+  // start early and spread over the heads (H200, 8B Q4_K_M: steps 1.2-2.7 % shorter at 300-4000
+  // positions), but before position kAttnChunk the launch has nothing to do (2.9 % longer
+  // steps), so the caller, which knows the position, sets it (its decode graphs keyed on it).
+  // The same bits either way.
+  bool combine_apart = false;
 };
 
 // The arguments of attention over rope_kv(r)'s rows: q = r.qkv at its stride, the same rows,

@@ -83,8 +83,9 @@ struct Staging {
 // Logits buffers of a KV store: the current one and one per forward queued ahead.
 constexpr int kSlots = 1 + KvStore::kMaxAhead;
 
-// A graph captured for one KV store (small forwards; key: (n * 4 + head) * kSlots + logits buffer)
-// and the scratch epoch it was captured in.
+// A graph captured for one KV store (small forwards; key: ((n * 4 + head) * 2 + apart) * kSlots +
+// logits buffer, apart: a decode step from gpu::kAttnApartFrom on) and the scratch epoch it was
+// captured in.
 struct KvGraph {
   gpuGraphExec_t exec = nullptr;
   uint64_t epoch = 0;
@@ -515,8 +516,11 @@ class GpuModel final : public ForwardModel {
       SPECD_GPU_CHECK(gpuMemcpyAsync(inputs_.get<int32_t>() + kTok0, tops_.get(), sizeof(int32_t),
                                      gpuMemcpyDeviceToDevice, stream_));
     if (!ahead) kv.device_rows = 0;
+    // a decode step from gpu::kAttnApartFrom on (past the first attention chunk) combines the
+    // chunks in its own launch (AttnArgs::combine_apart): another graph
+    const bool apart = n == 1 && pos0 >= std::max(gpu::kAttnChunk, gpu::kAttnApartFrom);
     if (small && capture == nullptr) {
-      const int64_t key = (n * 4 + (int64_t)head) * kSlots + slot;
+      const int64_t key = ((n * 4 + (int64_t)head) * 2 + apart) * kSlots + slot;
       KvGraph& g = kv.graphs()[key];
       if (g.exec == nullptr || g.epoch != epoch_) {
         if (g.exec) (void)gpuGraphExecDestroy(g.exec);
@@ -524,7 +528,7 @@ class GpuModel final : public ForwardModel {
         gpuGraph_t graph;
         SPECD_GPU_CHECK(gpuStreamBeginCapture(stream_, gpuStreamCaptureModeThreadLocal));
         try {
-          enqueue(kv, n, head, logits, nullptr, head == Head::All);
+          enqueue(kv, n, head, logits, nullptr, head == Head::All, apart);
         } catch (...) {
           (void)gpuStreamEndCapture(stream_, &graph);
           (void)gpuGetLastError();
@@ -538,14 +542,15 @@ class GpuModel final : public ForwardModel {
       }
       SPECD_GPU_CHECK(gpuGraphLaunch(g.exec, stream_));
     } else {
-      enqueue(kv, n, head, logits, capture, head == Head::All);
+      enqueue(kv, n, head, logits, capture, head == Head::All, apart);
     }
     if (small && head != Head::None && !ahead) kv.device_rows = head_rows;
     return logits;
   }
 
   // The forward's launches (captured into a graph for small n).
-  void enqueue(GpuKv& kv, int64_t n, Head head, float* logits, const HiddenCapture* capture, bool argmax) const {
+  void enqueue(GpuKv& kv, int64_t n, Head head, float* logits, const HiddenCapture* capture, bool argmax,
+               bool apart) const {
     const ModelConfig& c = config();
     const int64_t dim = c.dim, hd = c.head_dim, q_dim = (int64_t)c.n_heads * hd, kvd = kv_dim();
     const int64_t qkv_ld = q_dim + 2 * kvd;
@@ -623,6 +628,7 @@ class GpuModel final : public ForwardModel {
       at.scale = 1.0f / std::sqrt((float)hd);
       at.out = att;
       at.work = work_.get();
+      at.combine_apart = apart;
       gpu::attention(at, s);
 
       add_to_h(L.wo, att);
