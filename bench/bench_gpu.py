@@ -58,7 +58,7 @@ import time
 import traceback
 from pathlib import Path
 
-from machine import cpu_name, gpu_info, measured_bandwidth  # bench/machine.py (scripts run from bench/)
+from machine import cpu_name, gpu_info, measured_bandwidth, slug  # bench/machine.py (scripts run from bench/)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -472,10 +472,6 @@ def run_llama_bench(exe: str, path: Path, args: argparse.Namespace, timeout: flo
 
 
 # ---------------------------------------------------------------- machine, report
-
-
-def slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
 
 
 def ratio(a: float | None, b: float | None) -> float | None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import re
 import shlex
 import subprocess
 import sys
@@ -80,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     for line in table(res, floor_us):
         print(line)
     gpu = machine.gpu_info()
-    name = re.sub(r"[^a-z0-9]+", "-", gpu.get("name", "gpu").lower()).strip("-")
+    name = machine.slug(gpu.get("name", "gpu"))
     now = dt.datetime.now(dt.timezone.utc)
     report = {"date": now.isoformat(timespec="seconds"), "command": shlex.join([sys.executable, *sys.argv]),
               "gpu": gpu, "bandwidth_Bps": bw, "floor_us": floor_us, **res}

@@ -20,7 +20,6 @@
 //
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o gpu_sync bench/gpu_sync.cu
 //   ./gpu_sync [reps] [ctas_per_sm] [layers]
-#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -28,8 +27,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
-
-namespace cg = cooperative_groups;
 
 #define CHECK(call)                                                                            \
   do {                                                                                         \
@@ -117,10 +114,8 @@ __device__ __forceinline__ uint32_t ld_acquire(const unsigned* a) {
 }
 
 // mode 0: the barrier (a counter, zeroed before the launch, that only grows: each CTA adds
-// one per barrier, and barrier b waits until it reaches base + (b + 1) gridDim.x); mode 1: no
-// barrier.
-__global__ void __launch_bounds__(kThreads) step_kernel(const Phase* phases, int n, unsigned* count, unsigned base,
-                                                        int mode) {
+// one per barrier, and barrier b waits until it reaches (b + 1) gridDim.x); mode 1: no barrier.
+__global__ void __launch_bounds__(kThreads) step_kernel(const Phase* phases, int n, unsigned* count, int mode) {
   __shared__ float red[kThreads / 32];
   Batch first;
   issue(phases[0], 0, first);
@@ -133,7 +128,7 @@ __global__ void __launch_bounds__(kThreads) step_kernel(const Phase* phases, int
       if (threadIdx.x == 0) {
         __threadfence();
         atomicAdd(count, 1u);
-        const unsigned target = base + (unsigned)(i + 1) * gridDim.x;
+        const unsigned target = (unsigned)(i + 1) * gridDim.x;
         while ((int)(ld_acquire(count) - target) < 0) {
         }
       }
@@ -230,8 +225,7 @@ int main(int argc, char** argv) {
   };
   auto step = [&](int mode) {
     CHECK(cudaMemsetAsync(count, 0, sizeof(unsigned), s));
-    unsigned base = 0;
-    void* args[] = {(void*)&d_ph, (void*)&n, (void*)&count, (void*)&base, (void*)&mode};
+    void* args[] = {(void*)&d_ph, (void*)&n, (void*)&count, (void*)&mode};
     CHECK(cudaLaunchCooperativeKernel((void*)step_kernel, dim3(ctas), dim3(kThreads), args, 0, s));
   };
   auto time = [&](auto&& fn) {

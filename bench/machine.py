@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import platform
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+
+def slug(text: str) -> str:
+    """A name for result files: lower case, runs of anything but letters and digits as one '-'."""
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
 
 
 def cpu_name() -> str:
