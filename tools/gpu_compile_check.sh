@@ -55,6 +55,18 @@ if [[ "$what" == cuda || "$what" == all ]]; then
   done
   for p in "${pids[@]}"; do wait "$p" || { echo "gpu_compile_check: the SPECD_GPU_TRACE=1 build failed"; exit 1; }; done
   echo "gpu_compile_check: cuda with SPECD_GPU_TRACE=1 OK ($((SECONDS - t0)) s)"
+  # The digit readers with fewer planes of x (cuda/digits.cuh, -DSPECD_X_PLANES: an experiment
+  # switch), sm_90a: 2 planes for the direct and tensor-core readers, 1 for the staged one.
+  t0=$SECONDS
+  pids=()
+  for fp in matvec_kq.cu:2 matvec_kq_mma.cu:2 matvec.cu:1; do
+    f=${fp%:*}
+    nvcc -std=c++17 --expt-relaxed-constexpr -O3 -arch=sm_90a -Iworker/kernels -Iworker -DSPECD_WITH_GPU=1 \
+      -DSPECD_X_PLANES=${fp#*:} -c "worker/kernels/cuda/$f" -o "build/check-cuda/planes-${f%.cu}.o" &
+    pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait "$p" || { echo "gpu_compile_check: the SPECD_X_PLANES build failed"; exit 1; }; done
+  echo "gpu_compile_check: cuda with SPECD_X_PLANES=2 / 1 OK ($((SECONDS - t0)) s)"
   # bench/bench_sync.py's program (built on the device machine): as that script builds it
   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -c bench/gpu_sync.cu -o build/check-cuda/gpu_sync.o ||
     { echo "gpu_compile_check: bench/gpu_sync.cu failed"; exit 1; }

@@ -23,9 +23,20 @@ namespace gpu {
 // order in which a thread adds their squares, stay the same (so do the bits).
 constexpr int kPrepUnits = 12, kPrepNormUnits = 4;
 
+// Byte planes of x's digits: 3 (the default: 23-bit digits, float32-accurate) or, for
+// experiments that measure what that precision costs (-DSPECD_X_PLANES=2|1, compile time,
+// like SPECD_ATTN_CHUNK; tests/gpu's error bounds assume 3), 2 planes (15 bits: |X| <= 2^14)
+// or 1 (7 bits: |X| <= 2^6). Every reader sums kPlanes planes; the bits change with the count.
+#ifndef SPECD_X_PLANES
+#define SPECD_X_PLANES 3
+#endif
+constexpr int kPlanes = SPECD_X_PLANES;
+static_assert(kPlanes >= 1 && kPlanes <= 3, "SPECD_X_PLANES: 1, 2 or 3");
+constexpr int kXBits = 8 * kPlanes - 2;  // |X_k| <= 2^kXBits
+
 struct Digits4 {
-  uint32_t d0, d1, d2;  // the three byte planes of 4 consecutive elements (element 0 in byte 0)
-  float xsb;            // the block's grid step 2^(E_b - 22) (NaN for a block holding inf or NaN)
+  uint32_t d[kPlanes];  // the byte planes of 4 consecutive elements (element 0 in byte 0), D0 first
+  float xsb;            // the block's grid step 2^(E_b - kXBits) (NaN for a block holding inf or NaN)
   int sum;              // X_0 + .. + X_3 (exact)
 };
 
@@ -39,20 +50,29 @@ __device__ __forceinline__ Digits4 digits4(const float (&v)[4]) {
   big = max(big, gpu_shfl_xor(big, 1));
   big = max(big, gpu_shfl_xor(big, 2));
   big = max(big, gpu_shfl_xor(big, 4));
-  // biased exponent ef: |v| < 2^(ef-126), so v 2^(148-ef) < 2^22; xs = 2^(ef-148) (blocks
-  // below 2^-104 share the grid of 2^-104: xs stays normal), NaN for inf or NaN in the block
-  const uint32_t ef = max(big >> 23, 22u);
-  const float scale = __uint_as_float((275u - ef) << 23);
+  // biased exponent ef: |v| < 2^(ef-126), so v 2^(126+kXBits-ef) < 2^kXBits; xs =
+  // 2^(ef-126-kXBits) (blocks below 2^(kXBits-126) share that grid: xs stays normal), NaN for
+  // inf or NaN in the block
+  const uint32_t ef = max(big >> 23, (uint32_t)kXBits);
+  const float scale = __uint_as_float((253u + kXBits - ef) << 23);
   Digits4 r;
-  r.xsb = ef == 255u ? __uint_as_float(0x7FC00000u) : __uint_as_float((ef - 21u) << 23);
+  r.xsb = ef == 255u ? __uint_as_float(0x7FC00000u) : __uint_as_float((ef + 1u - kXBits) << 23);
   uint32_t X[4];  // round(v scale): the bits of v scale + 1.5 * 2^23, minus those of 1.5 * 2^23
 #pragma unroll
   for (int e = 0; e < 4; ++e) X[e] = __float_as_uint(fmaf(v[e], scale, 12582912.f)) - 0x4B400000u;
-  const uint32_t b01 = __byte_perm(X[0], X[1], 0x5140), b23 = __byte_perm(X[2], X[3], 0x5140);
-  const uint32_t t01 = __byte_perm(X[0], X[1], 0x0062), t23 = __byte_perm(X[2], X[3], 0x0062);
-  r.d0 = __byte_perm(t01, t23, 0x5410);
-  r.d1 = __byte_perm(b01, b23, 0x7632);
-  r.d2 = __byte_perm(b01, b23, 0x5410);
+  if constexpr (kPlanes == 3) {
+    const uint32_t b01 = __byte_perm(X[0], X[1], 0x5140), b23 = __byte_perm(X[2], X[3], 0x5140);
+    const uint32_t t01 = __byte_perm(X[0], X[1], 0x0062), t23 = __byte_perm(X[2], X[3], 0x0062);
+    r.d[0] = __byte_perm(t01, t23, 0x5410);
+    r.d[1] = __byte_perm(b01, b23, 0x7632);
+    r.d[2] = __byte_perm(b01, b23, 0x5410);
+  } else {
+#pragma unroll
+    for (int t = 0; t < kPlanes; ++t) {  // plane t: byte kPlanes - 1 - t of each X
+      const uint32_t b = kPlanes - 1 - t, sel = b | (b + 4) << 4;
+      r.d[t] = __byte_perm(__byte_perm(X[0], X[1], sel), __byte_perm(X[2], X[3], sel), 0x5410);
+    }
+  }
   r.sum = (int)(X[0] + X[1] + X[2] + X[3]);
   return r;
 }
@@ -70,9 +90,13 @@ __device__ __forceinline__ Digits4 block_digits4(const float4& a, const float4& 
 }
 
 // S0 2^16 + (S1 2^8 + S2) as a float, from a run's exact sums S_t = sum q D_t (one or two
-// roundings; the second term fits int32). Every digit reader (dp4a or int8 MMA) ends a run here.
-__device__ __forceinline__ float digit_sum(int s0, int s1, int s2) { return fmaf((float)s0, 65536.f, (float)(s1 * 256 + s2)); }
-__device__ __forceinline__ float digit_sum(const int (&S)[3]) { return digit_sum(S[0], S[1], S[2]); }
+// roundings; the second term fits int32); with 2 planes S0 2^8 + S1, with 1 S0 (one rounding).
+// Every digit reader (dp4a or int8 MMA) ends a run here.
+__device__ __forceinline__ float digit_sum(const int (&S)[kPlanes]) {
+  if constexpr (kPlanes == 3) return fmaf((float)S[0], 65536.f, (float)(S[1] * 256 + S[2]));
+  else if constexpr (kPlanes == 2) return (float)(S[0] * 256 + S[1]);
+  else return (float)S[0];
+}
 
 }  // namespace gpu
 }  // namespace specd

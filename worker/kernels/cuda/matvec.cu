@@ -73,7 +73,7 @@ constexpr int max_pitch() {
 // The digit path's window (below): at most kDigitBytes for all rows of x of a CTA, each
 // taking 3 bytes per element, a float per 32 (xs) and one per 16 (run sums).
 constexpr int kDigitBytes = 64 << 10;
-constexpr int digit_row_bytes(int win) { return 3 * win + win / 8 + win / 4; }
+constexpr int digit_row_bytes(int win) { return kPlanes * win + win / 8 + win / 4; }
 constexpr bool int_type(GgmlType t) { return t == GgmlType::Q8_0 || t == GgmlType::Q4_K || t == GgmlType::Q6_K; }
 constexpr int kMaxDigitTile = 4;  // calls on the digit path take tiles of at most 4 rows of x
 // Largest shared memory of a CTA with RPG rows per group: staging (52 KiB (Q8_0) per 2 rows)
@@ -291,10 +291,9 @@ __device__ __forceinline__ void store_digits4(const float (&v)[4], bool on, int 
   sum += gpu_shfl_xor(sum, 1);
   sum += gpu_shfl_xor(sum, 2);
   if (on) {
-    float* xs = reinterpret_cast<float*>(d + 3 * win);
-    *reinterpret_cast<uint32_t*>(d + 4 * u) = x.d0;
-    *reinterpret_cast<uint32_t*>(d + win + 4 * u) = x.d1;
-    *reinterpret_cast<uint32_t*>(d + 2 * win + 4 * u) = x.d2;
+    float* xs = reinterpret_cast<float*>(d + kPlanes * win);
+#pragma unroll
+    for (int t = 0; t < kPlanes; ++t) *reinterpret_cast<uint32_t*>(d + t * win + 4 * u) = x.d[t];
     if ((u & 7) == 0) xs[u / 8] = x.xsb;
     if ((u & 3) == 0) xs[win / 32 + u / 4] = (float)sum * x.xsb;  // the run sums follow xs
   }
@@ -345,30 +344,27 @@ __device__ __forceinline__ void int_stage(const uint8_t* const (&base)[RPG], int
 #pragma unroll
   for (int r = 0; r < NR; ++r) {
     const uint8_t* d = dig + (size_t)r * digit_row_bytes(win);
-    const float* xs = reinterpret_cast<const float*>(d + 3 * win);
+    const float* xs = reinterpret_cast<const float*>(d + kPlanes * win);
     const float* rs = xs + win / 32;  // (digits4's layout)
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int k = kw + w[0].k[j];  // (the same for every row of the group)
-      const uint4 p0 = *reinterpret_cast<const uint4*>(d + k);
-      const uint4 p1 = *reinterpret_cast<const uint4*>(d + win + k);
-      const uint4 p2 = *reinterpret_cast<const uint4*>(d + 2 * win + k);
+      uint4 pl[kPlanes];
+#pragma unroll
+      for (int t = 0; t < kPlanes; ++t) pl[t] = *reinterpret_cast<const uint4*>(d + t * win + k);
       const float xsb = xs[k >> 5];
 #pragma unroll
       for (int rr = 0; rr < RPG; ++rr) {
         const uint32_t* q = w[rr].q + 4 * j;
-        int s0 = gpu_dot4<D::kSigned, true>(q[0], p0.x, 0), s1 = gpu_dot4<D::kSigned, false>(q[0], p1.x, 0),
-            s2 = gpu_dot4<D::kSigned, false>(q[0], p2.x, 0);
-        s0 = gpu_dot4<D::kSigned, true>(q[1], p0.y, s0);
-        s1 = gpu_dot4<D::kSigned, false>(q[1], p1.y, s1);
-        s2 = gpu_dot4<D::kSigned, false>(q[1], p2.y, s2);
-        s0 = gpu_dot4<D::kSigned, true>(q[2], p0.z, s0);
-        s1 = gpu_dot4<D::kSigned, false>(q[2], p1.z, s1);
-        s2 = gpu_dot4<D::kSigned, false>(q[2], p2.z, s2);
-        s0 = gpu_dot4<D::kSigned, true>(q[3], p0.w, s0);
-        s1 = gpu_dot4<D::kSigned, false>(q[3], p1.w, s1);
-        s2 = gpu_dot4<D::kSigned, false>(q[3], p2.w, s2);
-        const float sum = fmaf((float)s0, 65536.f, (float)(s1 * 256 + s2)) * xsb;  // (x 2^k: exact)
+        int S[kPlanes] = {};
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+#pragma unroll
+          for (int t = 0; t < kPlanes; ++t) {
+            const uint32_t x = e == 0 ? pl[t].x : e == 1 ? pl[t].y : e == 2 ? pl[t].z : pl[t].w;
+            S[t] = t == 0 ? gpu_dot4<D::kSigned, true>(q[e], x, S[t]) : gpu_dot4<D::kSigned, false>(q[e], x, S[t]);
+          }
+        const float sum = digit_sum(S) * xsb;  // (x 2^k: exact)
         acc[rr][r] = fmaf(sum, w[rr].s[j], acc[rr][r]);
         if constexpr (T == GgmlType::Q4_K) acc[rr][r] = fmaf(w[rr].m[j], rs[k >> 4], acc[rr][r]);
       }
@@ -751,7 +747,7 @@ void linear(const LinearArgs& a, gpuStream_t s) {
   p.ring_bytes = kStages * kWarps * rpg * p.pitch;
   size_t smem = (size_t)p.ring_bytes;
   if (use_digits) {
-    const int64_t most = (int64_t)kDigitBytes * 8 / (27 * nr) / se * se;  // digit_row_bytes(w) = 27w/8
+    const int64_t most = (int64_t)kDigitBytes * 8 / ((8 * kPlanes + 3) * nr) / se * se;  // digit_row_bytes(w)
     p.win = (int32_t)std::min(ceil_div(K, se) * se, most);
     smem += (size_t)nr * digit_row_bytes(p.win);
   }

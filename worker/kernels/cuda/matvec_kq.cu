@@ -68,7 +68,7 @@ struct KqParams : LinParams {
 // 64c + 16q + j (c = chunk, q < 4, j < 16) at byte ((c / 32) 4 + q) 512 + (c % 32) 16 + j of
 // each, so the 32 lanes of a step read 32 consecutive 16-byte pieces (no bank conflicts);
 // then per chunk a float4 {grid step of sub-block 2c, its sum of x, the same for 2c + 1}.
-__host__ __device__ constexpr int digit_row_bytes(int plane) { return 3 * plane + plane / 4; }
+__host__ __device__ constexpr int digit_row_bytes(int plane) { return kPlanes * plane + plane / 4; }
 // where the 16 digits of (chunk c, quarter q) start in each plane; of element e
 __device__ __forceinline__ int digit_run(int c, int q) { return ((((c >> 5) << 2) + q) << 9) + ((c & 31) << 4); }
 __device__ __forceinline__ int digit_at(int e) { return digit_run(e >> 6, (e >> 4) & 3) + (e & 15); }
@@ -104,11 +104,10 @@ __device__ __forceinline__ void prep_rounds(const KqParams& p, const int32_t (&x
         if (u < units) {
           uint8_t* row = dig + (size_t)r * digit_row_bytes(plane);
           const int at = digit_at(4 * u);
-          *reinterpret_cast<uint32_t*>(row + at) = d.d0;
-          *reinterpret_cast<uint32_t*>(row + plane + at) = d.d1;
-          *reinterpret_cast<uint32_t*>(row + 2 * plane + at) = d.d2;
+#pragma unroll
+          for (int t = 0; t < kPlanes; ++t) *reinterpret_cast<uint32_t*>(row + t * plane + at) = d.d[t];
           if ((u & 7) == 0) {  // sub-block u / 8 = 2c + h: meta[4c + 2h], [4c + 2h + 1]
-            float* meta = reinterpret_cast<float*>(row + 3 * plane);
+            float* meta = reinterpret_cast<float*>(row + kPlanes * plane);
             meta[u / 4] = d.xsb;
             meta[u / 4 + 1] = (float)d.sum * d.xsb;
           }
@@ -131,24 +130,41 @@ __device__ __forceinline__ void prep_digits(const KqParams& p, const int32_t (&x
 }
 
 // Exact integer sums S_t of 16 weight bytes w (4 words; kWSigned: int8, else uint8) times the
-// three digit planes at d (planes `plane` bytes apart), added into S.
+// digit planes at d (planes `plane` bytes apart), added into S.
 template <bool kWSigned>
-__device__ __forceinline__ void dot16(const uint32_t (&w)[4], const uint8_t* d, int plane, int (&S)[3]) {
-  const uint4 p0 = *reinterpret_cast<const uint4*>(d);
-  const uint4 p1 = *reinterpret_cast<const uint4*>(d + plane);
-  const uint4 p2 = *reinterpret_cast<const uint4*>(d + 2 * plane);
-  S[0] = gpu_dot4<kWSigned, true>(w[0], p0.x, S[0]);
-  S[1] = gpu_dot4<kWSigned, false>(w[0], p1.x, S[1]);
-  S[2] = gpu_dot4<kWSigned, false>(w[0], p2.x, S[2]);
-  S[0] = gpu_dot4<kWSigned, true>(w[1], p0.y, S[0]);
-  S[1] = gpu_dot4<kWSigned, false>(w[1], p1.y, S[1]);
-  S[2] = gpu_dot4<kWSigned, false>(w[1], p2.y, S[2]);
-  S[0] = gpu_dot4<kWSigned, true>(w[2], p0.z, S[0]);
-  S[1] = gpu_dot4<kWSigned, false>(w[2], p1.z, S[1]);
-  S[2] = gpu_dot4<kWSigned, false>(w[2], p2.z, S[2]);
-  S[0] = gpu_dot4<kWSigned, true>(w[3], p0.w, S[0]);
-  S[1] = gpu_dot4<kWSigned, false>(w[3], p1.w, S[1]);
-  S[2] = gpu_dot4<kWSigned, false>(w[3], p2.w, S[2]);
+__device__ __forceinline__ void dot16(const uint32_t (&w)[4], const uint8_t* d, int plane, int (&S)[kPlanes]) {
+  if constexpr (kPlanes == 3) {  // (the same as the loop below; written out, the registers of the 8B's decode QKV)
+    const uint4 p0 = *reinterpret_cast<const uint4*>(d);
+    const uint4 p1 = *reinterpret_cast<const uint4*>(d + plane);
+    const uint4 p2 = *reinterpret_cast<const uint4*>(d + 2 * plane);
+    S[0] = gpu_dot4<kWSigned, true>(w[0], p0.x, S[0]);
+    S[1] = gpu_dot4<kWSigned, false>(w[0], p1.x, S[1]);
+    S[2] = gpu_dot4<kWSigned, false>(w[0], p2.x, S[2]);
+    S[0] = gpu_dot4<kWSigned, true>(w[1], p0.y, S[0]);
+    S[1] = gpu_dot4<kWSigned, false>(w[1], p1.y, S[1]);
+    S[2] = gpu_dot4<kWSigned, false>(w[1], p2.y, S[2]);
+    S[0] = gpu_dot4<kWSigned, true>(w[2], p0.z, S[0]);
+    S[1] = gpu_dot4<kWSigned, false>(w[2], p1.z, S[1]);
+    S[2] = gpu_dot4<kWSigned, false>(w[2], p2.z, S[2]);
+    S[0] = gpu_dot4<kWSigned, true>(w[3], p0.w, S[0]);
+    S[1] = gpu_dot4<kWSigned, false>(w[3], p1.w, S[1]);
+    S[2] = gpu_dot4<kWSigned, false>(w[3], p2.w, S[2]);
+    return;
+  }
+  uint4 pl[kPlanes];
+#pragma unroll
+  for (int t = 0; t < kPlanes; ++t) pl[t] = *reinterpret_cast<const uint4*>(d + t * plane);
+  const auto dot = [&](uint32_t wk, int k) {
+#pragma unroll
+    for (int t = 0; t < kPlanes; ++t) {
+      const uint32_t x = k == 0 ? pl[t].x : k == 1 ? pl[t].y : k == 2 ? pl[t].z : pl[t].w;
+      S[t] = t == 0 ? gpu_dot4<kWSigned, true>(wk, x, S[t]) : gpu_dot4<kWSigned, false>(wk, x, S[t]);
+    }
+  };
+  dot(w[0], 0);
+  dot(w[1], 1);
+  dot(w[2], 2);
+  dot(w[3], 3);
 }
 
 template <GgmlType T>
@@ -184,11 +200,13 @@ struct Kq<GgmlType::Q4_K> {
 #pragma unroll
     for (int r = 0; r < NR; ++r) {
       const uint8_t* row = dig + (size_t)r * digit_row_bytes(plane);
-      int S[kRpg][2][3];
+      int S[kRpg][2][kPlanes];
 #pragma unroll
       for (int rr = 0; rr < kRpg; ++rr)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) S[rr][h][0] = S[rr][h][1] = S[rr][h][2] = 0;
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int t = 0; t < kPlanes; ++t) S[rr][h][t] = 0;
 #pragma unroll
       for (int q = 0; q < 4; ++q) {  // elements 64c + 16q ..: low nibbles of a, b, then high
 #pragma unroll
@@ -199,7 +217,7 @@ struct Kq<GgmlType::Q4_K> {
           dot16<false>(w, row + digit_run(c, q), plane, S[rr][q >> 1]);
         }
       }
-      const float4 meta = *reinterpret_cast<const float4*>(row + 3 * plane + 16 * c);
+      const float4 meta = *reinterpret_cast<const float4*>(row + kPlanes * plane + 16 * c);
 #pragma unroll
       for (int rr = 0; rr < kRpg; ++rr) {
         acc[rr][r] = fmaf(digit_sum(S[rr][0]) * meta.x, s[rr][0], acc[rr][r]);
@@ -291,10 +309,10 @@ struct Kq<GgmlType::Q6_K> {
       for (int k = 0; k < 4; ++k) {  // elements 256b + 128h + 16m + 32k: chunk cc, quarter m + 2 (k % 2)
         const int cc = 4 * (c >> 2) + 2 * h + (k >> 1);
         const uint8_t* d = row + digit_run(cc, m + 2 * (k & 1));
-        const float xs = reinterpret_cast<const float*>(row + 3 * plane)[4 * cc + 2 * (k & 1)];
+        const float xs = reinterpret_cast<const float*>(row + kPlanes * plane)[4 * cc + 2 * (k & 1)];
 #pragma unroll
         for (int rr = 0; rr < kRpg; ++rr) {
-          int S[3] = {0, 0, 0};
+          int S[kPlanes] = {};
           dot16<true>(q[rr][k], d, plane, S);
           acc[rr][r] = fmaf(digit_sum(S) * xs, s[rr][k], acc[rr][r]);
         }
@@ -345,12 +363,14 @@ struct Kq<GgmlType::Q8_0> {
 #pragma unroll
     for (int r = 0; r < NR; ++r) {
       const uint8_t* row = dig + (size_t)r * digit_row_bytes(plane);
-      const float4 meta = *reinterpret_cast<const float4*>(row + 3 * plane + 16 * c);
+      const float4 meta = *reinterpret_cast<const float4*>(row + kPlanes * plane + 16 * c);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {  // block 2c + h: quarters 2h, 2h + 1 of chunk c
-        int S[kRpg][3];
+        int S[kRpg][kPlanes];
 #pragma unroll
-        for (int rr = 0; rr < kRpg; ++rr) S[rr][0] = S[rr][1] = S[rr][2] = 0;
+        for (int rr = 0; rr < kRpg; ++rr)
+#pragma unroll
+          for (int t = 0; t < kPlanes; ++t) S[rr][t] = 0;
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
 #pragma unroll

@@ -71,7 +71,7 @@ struct MmaParams : LinParams {
 // r: 16 bytes at t * K NX + (s NX + r) 16), then per 32-element block b and row r a float2 {grid
 // step, grid step * sum of the digits} at (b NX + r), then the tile's partial sums
 // [8 quads][16 MT weight rows][NX].
-__host__ __device__ constexpr size_t image_bytes(int64_t K, int NX) { return (size_t)NX * (size_t)(3 * K + K / 4); }
+__host__ __device__ constexpr size_t image_bytes(int64_t K, int NX) { return (size_t)NX * (size_t)(kPlanes * K + K / 4); }
 __host__ __device__ constexpr size_t mma_smem(int64_t K, int NX, int MT) {
   return image_bytes(K, NX) + (size_t)NX * (size_t)(4 * kWarps * 16 * MT);
 }
@@ -147,24 +147,24 @@ __device__ __forceinline__ V ldx(const void* p) {
 // A run's B fragments, plane by plane: the bytes at seg_at(segment, row) + off (V: uint2 for a
 // 32-element run, 8 bytes of two segments; uint32_t for a 16-element run).
 template <bool G, int NX, class V>
-__device__ __forceinline__ void run_planes(const uint8_t* dig, int64_t K, int seg, int row, int off, V (&b)[3]) {
+__device__ __forceinline__ void run_planes(const uint8_t* dig, int64_t K, int seg, int row, int off, V (&b)[kPlanes]) {
 #pragma unroll
-  for (int pl = 0; pl < 3; ++pl) b[pl] = ldx<G, V>(seg_at<NX>(dig, K, pl, seg, row) + off);
+  for (int pl = 0; pl < kPlanes; ++pl) b[pl] = ldx<G, V>(seg_at<NX>(dig, K, pl, seg, row) + off);
 }
 // A 32-element run's exact sums S_t (D_0 signed, D_1, D_2 unsigned digits; kAS: signed weights)
 template <bool kAS>
-__device__ __forceinline__ void run_sums(const uint32_t (&a)[4], const uint2 (&b)[3], int (&D)[3][4]) {
+__device__ __forceinline__ void run_sums(const uint32_t (&a)[4], const uint2 (&b)[kPlanes], int (&D)[kPlanes][4]) {
   mma_i8_k32<kAS, true>(D[0], a, b[0].x, b[0].y);
-  mma_i8_k32<kAS, false>(D[1], a, b[1].x, b[1].y);
-  mma_i8_k32<kAS, false>(D[2], a, b[2].x, b[2].y);
+#pragma unroll
+  for (int pl = 1; pl < kPlanes; ++pl) mma_i8_k32<kAS, false>(D[pl], a, b[pl].x, b[pl].y);
 }
 // The same for a 16-element run of signed weights (rows g: a[0], g + 8: a[1])
 template <bool kAS>
-__device__ __forceinline__ void run_sums(const uint32_t (&a)[2], const uint32_t (&b)[3], int (&D)[3][4]) {
+__device__ __forceinline__ void run_sums(const uint32_t (&a)[2], const uint32_t (&b)[kPlanes], int (&D)[kPlanes][4]) {
   static_assert(kAS, "16-element runs hold signed weights (Q6_K)");
   mma_i8_k16<true, true>(D[0], a[0], a[1], b[0]);
-  mma_i8_k16<true, false>(D[1], a[0], a[1], b[1]);
-  mma_i8_k16<true, false>(D[2], a[0], a[1], b[2]);
+#pragma unroll
+  for (int pl = 1; pl < kPlanes; ++pl) mma_i8_k16<true, false>(D[pl], a[0], a[1], b[pl]);
 }
 
 // One run (x's segment seg, 32-element block blk) of the MT weight fragments a[mt] against
@@ -176,17 +176,20 @@ __device__ __forceinline__ void run_tiles(const Frag (&a)[MT], const uint8_t* di
                                           int seg, int blk, int g, int t, int off, float (&acc)[MT][NT][4], Fin fin) {
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
-    V b[3];
+    V b[kPlanes];
     run_planes<G, NX>(dig, K, seg, 8 * nt + g, off, b);
     const float4 mx = ldx<G, float4>(meta + 2 * (blk * NX + 8 * nt + 2 * t));
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-      int D[3][4];
+      int D[kPlanes][4];
       run_sums<kAS>(a[mt], b, D);
 #pragma unroll
-      for (int e = 0; e < 4; ++e)
-        fin(acc[mt][nt][e], mt, e, digit_sum(D[0][e], D[1][e], D[2][e]), (e & 1) ? mx.z : mx.x,
-            (e & 1) ? mx.w : mx.y);
+      for (int e = 0; e < 4; ++e) {
+        int S[kPlanes];
+#pragma unroll
+        for (int pl = 0; pl < kPlanes; ++pl) S[pl] = D[pl][e];
+        fin(acc[mt][nt][e], mt, e, digit_sum(S), (e & 1) ? mx.z : mx.x, (e & 1) ? mx.w : mx.y);
+      }
     }
   }
 }
@@ -412,11 +415,10 @@ __global__ void __launch_bounds__(kThreads) digits_kernel(const MmaParams p) {
   const Digits4 d = block_digits4(a, n);  // (every thread: whole groups shuffle)
   if (u < units) {
     uint8_t* img = p.img + (size_t)(blockIdx.x / NX) * (size_t)p.img_bytes;
-    float* meta = reinterpret_cast<float*>(img + 3 * (size_t)(K * NX));
+    float* meta = reinterpret_cast<float*>(img + kPlanes * (size_t)(K * NX));
     uint8_t* at = seg_ptr<NX>(img, K, 0, u >> 2, r) + 4 * (u & 3);
-    *reinterpret_cast<uint32_t*>(at) = d.d0;
-    *reinterpret_cast<uint32_t*>(at + (size_t)(K * NX)) = d.d1;
-    *reinterpret_cast<uint32_t*>(at + 2 * (size_t)(K * NX)) = d.d2;
+#pragma unroll
+    for (int pl = 0; pl < kPlanes; ++pl) *reinterpret_cast<uint32_t*>(at + pl * (size_t)(K * NX)) = d.d[pl];
     if ((u & 7) == 0) *reinterpret_cast<float2*>(meta + 2 * ((u >> 3) * NX + r)) = make_float2(d.xsb, (float)d.sum * d.xsb);
   }
   if (blockIdx.y == 0) {
@@ -464,7 +466,7 @@ __global__ void __launch_bounds__(kThreads * H, 1) kq_mma_kernel(const MmaParams
   const int64_t K = p.K, row0 = (int64_t)blockIdx.y * NX;
   const uint8_t* img = p.img + (size_t)blockIdx.y * (size_t)p.img_bytes;  // this tile of x's image
   const uint8_t* dig = G ? img : smem;
-  const float* meta = reinterpret_cast<const float*>(dig + 3 * (size_t)(K * NX));
+  const float* meta = reinterpret_cast<const float*>(dig + kPlanes * (size_t)(K * NX));
   float* part = reinterpret_cast<float*>(smem + (G ? 0 : p.img_bytes));  // [quad][TR weight rows][NX]
   const int nc = p.nc, n_tiles = p.n_tiles, grid = (int)gridDim.x;
   const int nj = warp < nc ? (nc - warp + kWarps - 1) / kWarps : 0;  // this quad's chunks per tile
