@@ -633,14 +633,16 @@ def test_mma_rows_equal_direct_rows(case: str, rng: np.random.Generator) -> None
 
 
 # Tiles of 32 weight rows of the K-quants run in 16 warps per CTA (one m-tile each);
-# SPECD_GPU_MMA_WARPS=8 keeps 8 warps (two m-tiles each), "16" takes 16 for Q8_0 too. Every
-# layout gives the same bits, with x's image in shared memory or read through L1 (K = 12288).
-# The shapes take tiles of 32 rows on a 132-SM H200 (the rule in kq_mma_linear: 128 and 256
-# tiles of 32 rows, ~1 and 2 rounds).
+# SPECD_GPU_MMA_WARPS=8 keeps 8 warps (two m-tiles each), "16" takes 16 for Q8_0 too. Tiles of
+# 16 rows run in 16 warps, two per quad splitting its chunks; SPECD_GPU_MMA_KSPLIT=0 keeps 8.
+# Every layout gives the same bits, with x's image in shared memory or read through L1
+# (K = 12288). The shapes take tiles of 32 rows (4096 outputs) and 16 rows (1024) on a 132-SM
+# H100 / H200 (the rule in kq_mma_linear: 128 and 256 tiles of 32 rows, ~1 and 2 rounds; 32).
 def test_mma_warp_layouts_give_the_same_bits(rng: np.random.Generator, tmp_path) -> None:
     calls = []
     for qtype, n_in, n_out in ((T.Q4_K, 4096, 4096), (T.Q6_K, 2048, 4096), (T.Q8_0, 1024, 8192),
-                               (T.Q6_K, 12288, 4096), (T.Q8_0, 12288, 4096)):
+                               (T.Q6_K, 12288, 4096), (T.Q8_0, 12288, 4096), (T.Q4_K, 4096, 1024),
+                               (T.Q6_K, 1536, 1024), (T.Q8_0, 2048, 1024), (T.Q6_K, 12288, 1024)):
         w0, w1 = (random_weight(rng, qtype, n_out // 2, n_in) for _ in range(2))
         w = random_weight(rng, qtype, n_out, n_in)
         x = rng.standard_normal((33, n_in), dtype=np.float32) / np.sqrt(n_in)
@@ -652,11 +654,11 @@ def test_mma_warp_layouts_give_the_same_bits(rng: np.random.Generator, tmp_path)
             calls.append(dict(ws=[(qtype, w0, n_out // 2, n_in), (qtype, w1, n_out // 2, n_in)], x=x[:n],
                               norm_w=norm_w, eps=1e-6, epilogue=2))
     now = [gpu_call(c) for c in calls]
-    for warps in ("8", "16"):
-        refs = linear_in_subprocess(calls, tmp_path, SPECD_GPU_MMA_WARPS=warps)
+    for env in ({"SPECD_GPU_MMA_WARPS": "8"}, {"SPECD_GPU_MMA_WARPS": "16"}, {"SPECD_GPU_MMA_KSPLIT": "0"}):
+        refs = linear_in_subprocess(calls, tmp_path, **env)
         for i, (c, y, ref) in enumerate(zip(calls, now, refs)):
-            what = f"warps {warps} call {i}: {c['ws'][0][0].name} K={c['ws'][0][3]} n={len(c['x'])} " \
-                   f"epilogue={c.get('epilogue', 0)}"
+            what = f"{env} call {i}: {c['ws'][0][0].name} K={c['ws'][0][3]} n_out={c['ws'][0][2]} " \
+                   f"n={len(c['x'])} epilogue={c.get('epilogue', 0)}"
             np.testing.assert_array_equal(y.view(np.uint32), ref.view(np.uint32), what)
             assert np.isfinite(y).all(), what
 

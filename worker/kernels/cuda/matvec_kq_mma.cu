@@ -19,8 +19,9 @@
 //
 // Work: a tile = 16 MT weight rows (MT m-tiles of 16; SwiGLU: 8 MT gate rows over the same up
 // rows) times NX = 8 NT rows of x (n-tiles of 8); the 8 warps of a persistent CTA take the
-// tile's 8 quads (tiles of two m-tiles of Q4_K / Q6_K: 16 warps, one m-tile each, so that an SM
-// runs 16 warps of at most 128 registers), each loading its chunks' bytes straight from global
+// tile's 8 quads (tiles of two m-tiles of Q4_K / Q6_K: 16 warps, one m-tile each; tiles of one
+// m-tile: 16 warps, two per quad splitting its chunks; so that an SM runs 16 warps of at most
+// 128 registers), each loading its chunks' bytes straight from global
 // memory one chunk ahead (Q8_0: three; the stream runs on into the CTA's next tile), and meet
 // in shared memory at the tile's end.
 // x is turned into digits once per call (digits_kernel: a CTA per 1024 elements of a row, into
@@ -72,8 +73,9 @@ struct MmaParams : LinParams {
 // step, grid step * sum of the digits} at (b NX + r), then the tile's partial sums
 // [8 quads][16 MT weight rows][NX].
 __host__ __device__ constexpr size_t image_bytes(int64_t K, int NX) { return (size_t)NX * (size_t)(kPlanes * K + K / 4); }
-__host__ __device__ constexpr size_t mma_smem(int64_t K, int NX, int MT) {
-  return image_bytes(K, NX) + (size_t)NX * (size_t)(4 * kWarps * 16 * MT);
+// (KS: warps per quad that split its chunks, each keeping its own partial sums; see kq_mma_kernel)
+__host__ __device__ constexpr size_t mma_smem(int64_t K, int NX, int MT, int KS = 1) {
+  return image_bytes(K, NX) + (size_t)NX * (size_t)(4 * kWarps * KS * 16 * MT);
 }
 
 // The tile's weight and first output: Store / Accumulate rows o_first + i of weight j0
@@ -448,30 +450,40 @@ __global__ void __launch_bounds__(kThreads) digits_kernel(const MmaParams p) {
 }
 
 // G: x's image stays in global memory (read through the L1 cache; for K whose image does not
-// fit shared memory), else it is copied into shared memory first. H: warps per quad (1, or 2
-// for a tile of two m-tiles: warp quad + 8 h takes m-tile h, so each warp holds half the
-// registers and an SM runs 16 warps instead of 8; every output's sums stay in one warp, in
-// the same order: the same bits).
+// fit shared memory), else it is copied into shared memory first. H: warps per quad (1, or 2,
+// so that an SM runs 16 warps instead of 8):
+//   * a tile of two m-tiles (MT = 2, H = 2): warp quad + 8 h takes m-tile h, so each warp holds
+//     half the registers; every output's sums stay in one warp, in the same order;
+//   * a tile of one m-tile (MT = 1, H = 2: KS = 2 warps split the quad's chunks): warp quad + 8 h
+//     takes the quad's chunks c = quad + 8 j of j = h mod 2, that is the classes h and h + 2
+//     (j % 4 = h + 2 (j / 2 % 2)), each in ascending c, and writes A_h + A_(h+2); the quad's
+//     value is then (A0 + A2) + (A1 + A3) as before. Half the steps a tile per warp and half the
+//     accumulators: the same bits.
 template <GgmlType T, int NT, int MT, bool G, int H>
 __global__ void __launch_bounds__(kThreads * H, 1) kq_mma_kernel(const MmaParams p) {
 #if SPECD_MMA
-  static_assert(MT % H == 0, "a warp takes whole m-tiles");
-  constexpr int MW = MT / H;  // m-tiles per warp
+  static_assert(MT % H == 0 || (MT == 1 && H == 2), "a warp takes whole m-tiles, or half a quad's chunks");
+  constexpr int KS = H > MT ? H / MT : 1;  // warps splitting a quad's chunks
+  constexpr int MW = MT * KS / H;          // m-tiles per warp
+  constexpr int NC = 4 / KS;               // classes (accumulator sets) per warp
   using R = Mq<T, MW>;
   constexpr int NX = 8 * NT, TR = 16 * MT;  // rows of x, weight rows of a tile
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ float inv[NX];
   const int lane = threadIdx.x % kGroup, warp = (threadIdx.x / kGroup) % kWarps, g = lane >> 2, t = lane & 3;
-  const int m0 = (int)(threadIdx.x / (kGroup * kWarps)) * MW;  // the warp's first m-tile
+  const int half = (int)(threadIdx.x / (kGroup * kWarps));  // (0 .. H - 1)
+  const int m0 = half / KS * MW, hk = half % KS;  // the warp's first m-tile; its share of the quad's chunks
   const int64_t K = p.K, row0 = (int64_t)blockIdx.y * NX;
   const uint8_t* img = p.img + (size_t)blockIdx.y * (size_t)p.img_bytes;  // this tile of x's image
   const uint8_t* dig = G ? img : smem;
   const float* meta = reinterpret_cast<const float*>(dig + kPlanes * (size_t)(K * NX));
   float* part = reinterpret_cast<float*>(smem + (G ? 0 : p.img_bytes));  // [quad][TR weight rows][NX]
   const int nc = p.nc, n_tiles = p.n_tiles, grid = (int)gridDim.x;
-  const int nj = warp < nc ? (nc - warp + kWarps - 1) / kWarps : 0;  // this quad's chunks per tile
+  const int njq = warp < nc ? (nc - warp + kWarps - 1) / kWarps : 0;  // this quad's chunks per tile
+  const int nj = KS == 1 ? njq : njq > hk ? (njq - hk + KS - 1) / KS : 0;      // this warp's
+  auto chunk = [&](int j) { return warp + kWarps * (KS == 1 ? j : KS * j + hk); };  // its slot j's chunk
 
-  // The load stream: slot l_j of tile l_tile holds chunk c = warp + 8 l_j (l_j < nj). kDepth
+  // The load stream: slot l_j of tile l_tile holds chunk(l_j) (l_j < nj). kDepth
   // 2: each step first loads the next chunk. kDepth 4: a ring of 4 chunks, 3 in flight while a
   // step reads one (each step first refills the buffer the step before it read); the slots up
   // to nj4 = nj rounded up to a multiple of 4 are empty, so that a slot's buffer is its class
@@ -484,7 +496,7 @@ __global__ void __launch_bounds__(kThreads * H, 1) kq_mma_kernel(const MmaParams
   if (l_tile < n_tiles) lane_rows<MT, MW>(p, l_tile, g, m0, lrows);
   auto fetch = [&](typename R::Chunk& dst) {
     if (l_tile >= n_tiles || nj == 0) return;
-    if (PD == 2 || l_j < nj) R::load(lrows, warp + kWarps * l_j, t, dst);
+    if (PD == 2 || l_j < nj) R::load(lrows, chunk(l_j), t, dst);
     if (++l_j == nj4) {
       l_j = 0;
       l_tile += grid;
@@ -518,9 +530,9 @@ __global__ void __launch_bounds__(kThreads * H, 1) kq_mma_kernel(const MmaParams
   SPECD_TRACE_MARK(2);
 
   for (int tile = blockIdx.x; tile < n_tiles; tile += grid) {
-    float acc[4][MW][NT][4];  // [class q: chunk c = warp + 8 j, j % 4 = q][m-tile m0 + ..][n-tile][D element]
+    float acc[NC][MW][NT][4];  // [slot j % NC (class (KS j + hk) % 4)][m-tile m0 + ..][n-tile][D element]
 #pragma unroll
-    for (int q = 0; q < 4; ++q)
+    for (int q = 0; q < NC; ++q)
 #pragma unroll
       for (int mt = 0; mt < MW; ++mt)
 #pragma unroll
@@ -536,14 +548,14 @@ __global__ void __launch_bounds__(kThreads * H, 1) kq_mma_kernel(const MmaParams
       // last nj % 4 steps after the rounds, leaving the stream's next chunk in cur
       auto take = [&](typename R::Chunk& now, typename R::Chunk& next, int j, float(&aq)[MW][NT][4]) {
         fetch(next);
-        R::template step<NT, G>(now, warp + kWarps * j, dig, meta, K, g, t, aq);
+        R::template step<NT, G>(now, chunk(j), dig, meta, K, g, t, aq);
       };
       int j0 = 0;
       for (; j0 + 4 <= nj; j0 += 4) {
         take(cur, nxt, j0, acc[0]);
         take(nxt, cur, j0 + 1, acc[1]);
-        take(cur, nxt, j0 + 2, acc[2]);
-        take(nxt, cur, j0 + 3, acc[3]);
+        take(cur, nxt, j0 + 2, acc[2 % NC]);
+        take(nxt, cur, j0 + 3, acc[3 % NC]);
       }
       const int rest = nj - j0;  // (uniform over the warp)
       if (rest >= 2) {
@@ -554,7 +566,7 @@ __global__ void __launch_bounds__(kThreads * H, 1) kq_mma_kernel(const MmaParams
         take(cur, nxt, j0, acc[0]);
         cur = nxt;
       } else if (rest == 3) {
-        take(cur, nxt, j0 + 2, acc[2]);
+        take(cur, nxt, j0 + 2, acc[2 % NC]);
         cur = nxt;
       }
     } else if constexpr (PD == 2) {
@@ -563,7 +575,7 @@ __global__ void __launch_bounds__(kThreads * H, 1) kq_mma_kernel(const MmaParams
         for (int q = 0; q < 4; ++q) {
           if (j0 + q < nj) {  // (uniform over the warp)
             fetch(nxt);
-            R::template step<NT, G>(cur, warp + kWarps * (j0 + q), dig, meta, K, g, t, acc[q]);
+            R::template step<NT, G>(cur, chunk(j0 + q), dig, meta, K, g, t, acc[q % NC]);
             cur = nxt;
           }
         }
@@ -573,7 +585,7 @@ __global__ void __launch_bounds__(kThreads * H, 1) kq_mma_kernel(const MmaParams
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
           fetch(ring[(q + 3) % 4]);  // (uniform over the warp, both)
-          if (j0 + q < nj) R::template step<NT, G>(ring[q], warp + kWarps * (j0 + q), dig, meta, K, g, t, acc[q]);
+          if (j0 + q < nj) R::template step<NT, G>(ring[q], chunk(j0 + q), dig, meta, K, g, t, acc[q % NC]);
         }
       }
     }
@@ -588,10 +600,11 @@ __global__ void __launch_bounds__(kThreads * H, 1) kq_mma_kernel(const MmaParams
 #pragma unroll
           for (int e2 = 0; e2 < 2; ++e2) {
             const int e = 2 * h + e2;
-            v[e2] = (acc[0][mt][nt][e] + acc[2][mt][nt][e]) + (acc[1][mt][nt][e] + acc[3][mt][nt][e]);
+            if constexpr (NC == 4) v[e2] = (acc[0][mt][nt][e] + acc[2][mt][nt][e]) + (acc[1][mt][nt][e] + acc[3][mt][nt][e]);
+            else v[e2] = acc[0][mt][nt][e] + acc[1][mt][nt][e];  // A_hk + A_(hk+2)
           }
           const int wr = 16 * (m0 + mt) + g + 8 * h;
-          *reinterpret_cast<float2*>(part + (warp * TR + wr) * NX + 8 * nt + 2 * t) = make_float2(v[0], v[1]);
+          *reinterpret_cast<float2*>(part + ((warp + kWarps * hk) * TR + wr) * NX + 8 * nt + 2 * t) = make_float2(v[0], v[1]);
         }
     __syncthreads();
     int j0;
@@ -600,7 +613,10 @@ __global__ void __launch_bounds__(kThreads * H, 1) kq_mma_kernel(const MmaParams
     auto total = [&](int wr, int xr) {  // the remaining levels (xor 4, 2, 1) over the 8 quads
       float q[kWarps];
 #pragma unroll
-      for (int w = 0; w < kWarps; ++w) q[w] = part[(w * TR + wr) * NX + xr];
+      for (int w = 0; w < kWarps; ++w) {
+        q[w] = part[(w * TR + wr) * NX + xr];
+        if constexpr (KS == 2) q[w] += part[((w + kWarps) * TR + wr) * NX + xr];  // (A0 + A2) + (A1 + A3)
+      }
       return (((q[0] + q[4]) + (q[2] + q[6])) + ((q[1] + q[5]) + (q[3] + q[7]))) * inv[xr];
     };
     if (p.ep == Epilogue::SwiGLU) {
@@ -642,10 +658,10 @@ void launch_nt(const MmaParams& p, size_t smem, gpuStream_t s) {
   gpu_launch("kq_mma_kernel", kq_mma_kernel<T, NT, MT, G, H>, grid, dim3(kThreads * H), smem, s, p);
 }
 
-// mt: m-tiles per tile; split: 16 warps, one m-tile each (mt = 2)
+// mt: m-tiles per tile; split: 16 warps, one m-tile each (mt = 2) or half a quad's chunks each (mt = 1)
 template <GgmlType T, int NT, bool G>
 void launch_mt(const MmaParams& p, int mt, bool split, size_t smem, gpuStream_t s) {
-  if (mt == 1) launch_nt<T, NT, 1, G, 1>(p, smem, s);
+  if (mt == 1) split ? launch_nt<T, NT, 1, G, 2>(p, smem, s) : launch_nt<T, NT, 1, G, 1>(p, smem, s);
   else if (split) launch_nt<T, NT, 2, G, 2>(p, smem, s);
   else launch_nt<T, NT, 2, G, 1>(p, smem, s);
 }
@@ -691,7 +707,7 @@ size_t kq_mma_work_bytes(int64_t n, int64_t K) {
 // NVIDIA sm_80+ device, the images of 8 rows fit in shared memory and the call brings the
 // workspace (kq_mma_work_bytes). One digits_kernel, then one launch per weight type (QKV with
 // a Q6_K V: two); tiles of 16 or 32 weight rows, whichever takes fewer rounds of the
-// persistent CTAs. The rows are those of the direct reader, bit for bit, so every such choice
+// persistent CTAs, in 16 warps (SPECD_GPU_MMA_WARPS, SPECD_GPU_MMA_KSPLIT: fewer). The rows are those of the direct reader, bit for bit, so every such choice
 // may depend on n.
 bool kq_mma_linear(const LinearArgs& a, gpuStream_t s) {
   static const int min_rows = [] {
@@ -705,6 +721,9 @@ bool kq_mma_linear(const LinearArgs& a, gpuStream_t s) {
   // tiles of 32 rows in 16 warps of one m-tile each (default: the K-quants; "8": never, "16":
   // every type)
   static const std::string warps = env_value("SPECD_GPU_MMA_WARPS");
+  // tiles of 16 rows in 16 warps, two per quad splitting its chunks (default where a quad has
+  // at least two chunks; "0": 8 warps)
+  static const bool ksplit = env_value("SPECD_GPU_MMA_KSPLIT") != "0";
   const int nt = a.n > 8 ? 2 : 1, nx = 8 * nt;
   const bool global = force_global || mma_smem(K, nx, 2) > room;  // x's image read from L1 / L2
   if (a.work == nullptr || a.work_bytes < kq_mma_work_bytes(a.n, K) || (uintptr_t)a.work % 16 != 0) return false;
@@ -726,8 +745,8 @@ bool kq_mma_linear(const LinearArgs& a, gpuStream_t s) {
     // rounds of one CTA per SM, a 32-row tile costing two of 16 rows
     const int mt = ceil_div(2 * t2, sms) < 2 * ceil_div(t2, sms) ? 1 : 2;
     if (mt == 1) type_params(base, a, type, 1, p);
-    const size_t smem = mma_smem(K, nx, mt) - (global ? image_bytes(K, nx) : 0);
-    const bool split = mt == 2 && (warps == "16" || (warps != "8" && type != GgmlType::Q8_0));
+    const bool split = mt == 2 ? warps == "16" || (warps != "8" && type != GgmlType::Q8_0) : ksplit && base.nc >= 2 * kWarps;
+    const size_t smem = mma_smem(K, nx, mt, mt == 1 && split ? 2 : 1) - (global ? image_bytes(K, nx) : 0);
     if (type == GgmlType::Q4_K) launch_type<GgmlType::Q4_K>(p, nt, mt, split, global, smem, s);
     else if (type == GgmlType::Q6_K) launch_type<GgmlType::Q6_K>(p, nt, mt, split, global, smem, s);
     else launch_type<GgmlType::Q8_0>(p, nt, mt, split, global, smem, s);
