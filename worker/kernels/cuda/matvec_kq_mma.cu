@@ -73,7 +73,10 @@ struct MmaParams : LinParams {
 // step, grid step * sum of the digits} at (b NX + r), then the tile's partial sums
 // [8 quads][16 MT weight rows][NX].
 __host__ __device__ constexpr size_t image_bytes(int64_t K, int NX) { return (size_t)NX * (size_t)(kPlanes * K + K / 4); }
-// (KS: warps per quad that split its chunks, each keeping its own partial sums; see kq_mma_kernel)
+// Warps of a quad that split its chunks (each keeping its own partial sums) in a kernel of MT
+// m-tiles and H warps per quad (kq_mma_kernel): 2 for one m-tile in two warps, else 1.
+__host__ __device__ constexpr int quad_split(int MT, int H) { return H > MT ? H / MT : 1; }
+// (KS: quad_split of the kernel)
 __host__ __device__ constexpr size_t mma_smem(int64_t K, int NX, int MT, int KS = 1) {
   return image_bytes(K, NX) + (size_t)NX * (size_t)(4 * kWarps * KS * 16 * MT);
 }
@@ -463,7 +466,7 @@ template <GgmlType T, int NT, int MT, bool G, int H>
 __global__ void __launch_bounds__(kThreads * H, 1) kq_mma_kernel(const MmaParams p) {
 #if SPECD_MMA
   static_assert(MT % H == 0 || (MT == 1 && H == 2), "a warp takes whole m-tiles, or half a quad's chunks");
-  constexpr int KS = H > MT ? H / MT : 1;  // warps splitting a quad's chunks
+  constexpr int KS = quad_split(MT, H);    // warps splitting a quad's chunks
   constexpr int MW = MT * KS / H;          // m-tiles per warp
   constexpr int NC = 4 / KS;               // classes (accumulator sets) per warp
   using R = Mq<T, MW>;
@@ -480,8 +483,10 @@ __global__ void __launch_bounds__(kThreads * H, 1) kq_mma_kernel(const MmaParams
   float* part = reinterpret_cast<float*>(smem + (G ? 0 : p.img_bytes));  // [quad][TR weight rows][NX]
   const int nc = p.nc, n_tiles = p.n_tiles, grid = (int)gridDim.x;
   const int njq = warp < nc ? (nc - warp + kWarps - 1) / kWarps : 0;  // this quad's chunks per tile
-  const int nj = KS == 1 ? njq : njq > hk ? (njq - hk + KS - 1) / KS : 0;      // this warp's
-  auto chunk = [&](int j) { return warp + kWarps * (KS == 1 ? j : KS * j + hk); };  // its slot j's chunk
+  // this warp's chunks and its slot j's chunk (KS == 1 spelled as before the split: the general
+  // form moved ptxas' allocation, the Q6_K x-through-L1 kernel's spills 32 / 40 -> 72 / 88 bytes)
+  const int nj = KS == 1 ? njq : njq > hk ? (njq - hk + KS - 1) / KS : 0;
+  auto chunk = [&](int j) { return warp + kWarps * (KS == 1 ? j : KS * j + hk); };
 
   // The load stream: slot l_j of tile l_tile holds chunk(l_j) (l_j < nj). kDepth
   // 2: each step first loads the next chunk. kDepth 4: a ring of 4 chunks, 3 in flight while a
@@ -746,7 +751,7 @@ bool kq_mma_linear(const LinearArgs& a, gpuStream_t s) {
     const int mt = ceil_div(2 * t2, sms) < 2 * ceil_div(t2, sms) ? 1 : 2;
     if (mt == 1) type_params(base, a, type, 1, p);
     const bool split = mt == 2 ? warps == "16" || (warps != "8" && type != GgmlType::Q8_0) : ksplit && base.nc >= 2 * kWarps;
-    const size_t smem = mma_smem(K, nx, mt, mt == 1 && split ? 2 : 1) - (global ? image_bytes(K, nx) : 0);
+    const size_t smem = mma_smem(K, nx, mt, quad_split(mt, split ? 2 : 1)) - (global ? image_bytes(K, nx) : 0);
     if (type == GgmlType::Q4_K) launch_type<GgmlType::Q4_K>(p, nt, mt, split, global, smem, s);
     else if (type == GgmlType::Q6_K) launch_type<GgmlType::Q6_K>(p, nt, mt, split, global, smem, s);
     else launch_type<GgmlType::Q8_0>(p, nt, mt, split, global, smem, s);
