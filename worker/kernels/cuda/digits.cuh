@@ -91,11 +91,25 @@ __device__ __forceinline__ Digits4 block_digits4(const float4& a, const float4& 
 
 // S0 2^16 + (S1 2^8 + S2) as a float, from a run's exact sums S_t = sum q D_t (one or two
 // roundings; the second term fits int32); with 2 planes S0 2^8 + S1, with 1 S0 (one rounding).
-// Every digit reader (dp4a or int8 MMA) ends a run here.
+// Every digit reader (dp4a or int8 MMA) ends a run here, or for Q4_K in digit_sum_q4.
 __device__ __forceinline__ float digit_sum(const int (&S)[kPlanes]) {
   if constexpr (kPlanes == 3) return fmaf((float)S[0], 65536.f, (float)(S[1] * 256 + S[2]));
   else if constexpr (kPlanes == 2) return (float)(S[0] * 256 + S[1]);
   else return (float)S[0];
+}
+
+// The same for a run of Q4_K weights (0 <= q <= 15, at most 32 elements): |S0| <= 15 * 64 * 32
+// = 30720, so S0 2^16 + S1 2^8 + S2 (|.| < 2.05e9) is one exact int32, rounded once. kShift = 4
+// where the weights were read as 16 q (high nibbles in place: every S_t a multiple of 16): the
+// same value, from S_t / 16 (exact). One int-to-float conversion per run instead of two and a
+// fma; with 2 planes S0 2^8 + S1, with 1 S0.
+template <int kShift>
+__device__ __forceinline__ float digit_sum_q4(const int (&S)[kPlanes]) {
+  static_assert(kShift == 0 || kShift == 4, "q or 16 q");
+  constexpr int u = 1 << kShift;  // (multiplications, not shifts: S0 may be negative)
+  if constexpr (kPlanes == 3) return (float)(S[0] * (65536 / u) + S[1] * (256 / u) + (S[2] >> kShift));
+  else if constexpr (kPlanes == 2) return (float)(S[0] * (256 / u) + (S[1] >> kShift));
+  else return (float)(S[0] >> kShift);
 }
 
 }  // namespace gpu

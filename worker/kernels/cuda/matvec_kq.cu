@@ -28,7 +28,8 @@
 // (cuda/digits.cuh), in shared memory once per CTA. Per run of weights (Q4_K: a 32-element
 // sub-block, unsigned q with the high nibbles read in place as 16 q; Q6_K: 16 elements as
 // signed 4 (q - 32), as matvec.cu's digit reader; Q8_0: a block, int8 q) and row of x: the
-// exact sums S_t (dp4a per byte plane), S = S0 2^16 + (S1 2^8 + S2) (one or two roundings),
+// exact sums S_t (dp4a per byte plane), S = S0 2^16 + (S1 2^8 + S2) (one or two roundings;
+// Q4_K: one exact int32, one rounding, the high nibbles' 16 taken out of it: digit_sum_q4),
 // times the block's grid step (exact), times the run's scale in the accumulating fma; Q4_K
 // then adds its minimum -(dmin mn) times the sub-block's sum of x (one more fma). A lane adds
 // its runs in order and the group reduces with a fixed butterfly, so a row's result depends
@@ -195,7 +196,6 @@ struct Kq<GgmlType::Q4_K> {
       uint32_t sc, mn;
       kquant_pair_of(ch[rr].h.y >> sh, ch[rr].h.z >> sh, ch[rr].h.w >> sh, g, sc, mn);
       kquant_sm(ch[rr].h.x, sc, mn, s[rr], m[rr]);
-      s[rr][1] *= 0.0625f;  // (high nibbles read as 16 q)
     }
 #pragma unroll
     for (int r = 0; r < NR; ++r) {
@@ -220,9 +220,9 @@ struct Kq<GgmlType::Q4_K> {
       const float4 meta = *reinterpret_cast<const float4*>(row + kPlanes * plane + 16 * c);
 #pragma unroll
       for (int rr = 0; rr < kRpg; ++rr) {
-        acc[rr][r] = fmaf(digit_sum(S[rr][0]) * meta.x, s[rr][0], acc[rr][r]);
+        acc[rr][r] = fmaf(digit_sum_q4<0>(S[rr][0]) * meta.x, s[rr][0], acc[rr][r]);
         acc[rr][r] = fmaf(m[rr][0], meta.y, acc[rr][r]);
-        acc[rr][r] = fmaf(digit_sum(S[rr][1]) * meta.z, s[rr][1], acc[rr][r]);
+        acc[rr][r] = fmaf(digit_sum_q4<4>(S[rr][1]) * meta.z, s[rr][1], acc[rr][r]);  // (16 q)
         acc[rr][r] = fmaf(m[rr][1], meta.w, acc[rr][r]);
       }
     }

@@ -6,7 +6,8 @@
 // 23-bit digits per 32-element block, three byte planes D_t; S_t = sum q D_t), and int8 MMAs
 // (m16n8k32 / m16n8k16, s32 accumulation) give the same S_t exactly. What follows is float,
 // and this file performs the same float operations in the same order per output:
-//   * a run's term: acc = fma(digit_sum(S) * grid step, scale, acc) (+ Q4_K's minimum
+//   * a run's term: acc = fma(digit_sum(S) * grid step, scale, acc) (Q4_K: digit_sum_q4;
+//     + its minimum
 //     acc = fma(m, sum of x, acc)), the runs of a chunk (64 weights) in the reader's order;
 //   * class l = chunk c mod 32 (the lane of matvec_kq.cu that sums chunk c) adds its chunks in
 //     ascending c: here warp w (quad w < 8) takes the chunks c = w + 8 j in ascending order and
@@ -174,8 +175,8 @@ __device__ __forceinline__ void run_sums(const uint32_t (&a)[2], const uint32_t 
 
 // One run (x's segment seg, 32-element block blk) of the MT weight fragments a[mt] against
 // every tile of x (NT tiles of 8 rows, B fragments of type V at byte off): for each output
-// fin(acc[mt][nt][e], mt, e, S, xs, xsum), S the exact sum of the run, xs and xsum the scale and
-// block sum of its row of x (2t + (e & 1) of the tile).
+// fin(acc[mt][nt][e], mt, e, S, xs, xsum), S the exact sums S_t of the run (digit planes),
+// xs and xsum the scale and block sum of its row of x (2t + (e & 1) of the tile).
 template <bool kAS, bool G, int NX, class V, int NT, int MT, class Frag, class Fin>
 __device__ __forceinline__ void run_tiles(const Frag (&a)[MT], const uint8_t* dig, const float* meta, int64_t K,
                                           int seg, int blk, int g, int t, int off, float (&acc)[MT][NT][4], Fin fin) {
@@ -193,7 +194,7 @@ __device__ __forceinline__ void run_tiles(const Frag (&a)[MT], const uint8_t* di
         int S[kPlanes];
 #pragma unroll
         for (int pl = 0; pl < kPlanes; ++pl) S[pl] = D[pl][e];
-        fin(acc[mt][nt][e], mt, e, digit_sum(S), (e & 1) ? mx.z : mx.x, (e & 1) ? mx.w : mx.y);
+        fin(acc[mt][nt][e], mt, e, S, (e & 1) ? mx.z : mx.x, (e & 1) ? mx.w : mx.y);
       }
     }
   }
@@ -239,7 +240,6 @@ struct Mq<GgmlType::Q4_K, MT> {
         uint32_t sc, mn;
         kquant_pair_of(hd.y >> sh, hd.z >> sh, hd.w >> sh, gi, sc, mn);
         kquant_sm(hd.x, sc, mn, s[mt][h], m[mt][h]);
-        s[mt][h][1] *= 0.0625f;  // (high nibbles read as 16 q)
       }
 #pragma unroll
     for (int run = 0; run < 2; ++run) {  // sub-blocks 2c (low nibbles), 2c + 1 (high)
@@ -254,8 +254,9 @@ struct Mq<GgmlType::Q4_K, MT> {
       }
       const int seg = 4 * c + 2 * run + (t >> 1), blk = 2 * c + run;
       run_tiles<false, G, NX, uint2>(a, dig, meta, K, seg, blk, g, t, 8 * (t & 1), acc,
-                                     [&](float& r, int mt, int e, float S, float xs, float xsum) {
-                                       r = fmaf(S * xs, s[mt][e >> 1][run], r);
+                                     [&](float& r, int mt, int e, const int (&S)[kPlanes], float xs, float xsum) {
+                                       const float v = run ? digit_sum_q4<4>(S) : digit_sum_q4<0>(S);  // (16 q, q)
+                                       r = fmaf(v * xs, s[mt][e >> 1][run], r);
                                        r = fmaf(m[mt][e >> 1][run], xsum, r);
                                      });
     }
@@ -326,8 +327,8 @@ struct Mq<GgmlType::Q6_K, MT> {
         }
       const int seg = 16 * b + 8 * h + 2 * k + m, blk = 8 * b + 4 * h + k;
       run_tiles<true, G, NX, uint32_t>(a, dig, meta, K, seg, blk, g, t, 4 * t, acc,
-                                       [&](float& r, int mt, int e, float S, float xs, float) {
-                                         r = fmaf(S * xs, s[mt][e >> 1][k], r);
+                                       [&](float& r, int mt, int e, const int (&S)[kPlanes], float xs, float) {
+                                         r = fmaf(digit_sum(S) * xs, s[mt][e >> 1][k], r);
                                        });
     }
   }
@@ -383,8 +384,8 @@ struct Mq<GgmlType::Q8_0, MT> {
       }
       const int seg = 4 * c + 2 * run + (t >> 1), blk = 2 * c + run;
       run_tiles<true, G, NX, uint2>(a, dig, meta, K, seg, blk, g, t, 8 * (t & 1), acc,
-                                    [&](float& r, int mt, int e, float S, float xs, float) {
-                                      r = fmaf(S * xs, d[mt][e >> 1], r);
+                                    [&](float& r, int mt, int e, const int (&S)[kPlanes], float xs, float) {
+                                      r = fmaf(digit_sum(S) * xs, d[mt][e >> 1], r);
                                     });
     }
   }

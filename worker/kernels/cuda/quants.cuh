@@ -322,8 +322,8 @@ struct Dec<GgmlType::Q6_K> {
 // unsigned bytes). A lane reads 32 weights of a row per stage as two RUNS of 16 consecutive
 // elements (one scale each): q holds each run's bytes as four words of 4 consecutive
 // elements, k[j] the run's first element relative to the stage. Per run, w = s*q (+ m for
-// Q4_K's minimum): s includes the power of two the bytes carry (Q4_K's high nibbles are
-// read in place, 16q; Q6_K's bytes are 4(q-32)).
+// Q4_K's minimum): s includes the power of two the bytes carry (Q6_K's bytes are 4(q-32));
+// Q4_K's high nibbles are read in place, 16q, and its run sums (digit_sum_q4) take the 16 out.
 struct IntRuns {
   uint32_t q[8];  // run 0: q[0..3], run 1: q[4..7]
   float s[2], m[2];
@@ -374,7 +374,6 @@ struct IntDec<GgmlType::Q4_K> {
     uint32_t sc, mn;
     kquant_pair(b + 4, g, sc, mn);
     kquant_sm(ld_u32(b), sc, mn, r.s, r.m);
-    r.s[1] *= 0.0625f;  // (the high nibbles are read as 16 q)
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const uint32_t v = ld_u32(b + 16 + 32 * g + 16 * h + 4 * i);
