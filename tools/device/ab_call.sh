@@ -23,7 +23,8 @@
 #      skips this step (a call that only sweeps positions or traces);
 #   4b. with POSITIONS ("64,1000,4000"): tools/device/pos_sweep.py $OUT/ab-pos.json, the same
 #      variants' decode steps after each of those positions (n_ctx: the last one + 200); with
-#      SWEEP_N (e.g. 16) forwards of that many positions instead (a speculative verify);
+#      SWEEP_N (e.g. 16) forwards of that many positions instead (a speculative verify), into
+#      $OUT/ab-pos-n16.json; SWEEP_N="1,16" sweeps both, decode steps first;
 #   5. with TRACE=1: tools/device/trace_decode.py on the first model, one position and 16
 #      ($OUT/trace-n1.json, $OUT/trace-n16.json); with TRACE_POS ("64,1000,4000") instead one
 #      position after each of those, on the tree's trace build and on a trace build of the base
@@ -120,9 +121,14 @@ if [ "${FWD:-1}" != 0 ]; then
 fi
 
 if [ -n "${POSITIONS:-}" ]; then
-  timeout 300 python3 tools/device/pos_sweep.py --n "${SWEEP_N:-1}" --positions "$POSITIONS" --n-ctx "$n_ctx" "$OUT/ab-pos.json" \
-    "${paths[@]}" -- "${variants[@]}" 2>&1 | grep -v "^RESULT"
-  say "positions swept"
+  sweeps=${SWEEP_N:-1}  # (default: decode steps)
+  for sweep_n in ${sweeps//,/ }; do
+    pos_json="$OUT/ab-pos.json"
+    [ "$sweep_n" != 1 ] && pos_json="$OUT/ab-pos-n$sweep_n.json"
+    timeout 300 python3 tools/device/pos_sweep.py --n "$sweep_n" --positions "$POSITIONS" --n-ctx "$n_ctx" "$pos_json" \
+      "${paths[@]}" -- "${variants[@]}" 2>&1 | grep -v "^RESULT"
+    say "positions swept, $sweep_n a forward"
+  done
 fi
 
 if [ $trace_base = 1 ]; then
