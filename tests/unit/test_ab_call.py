@@ -117,6 +117,23 @@ def test_build_variant_settings_no_forwards_and_traced_settings(tmp_path: Path) 
     ])
 
 
+def test_two_sweeps_decode_then_verify(tmp_path: Path) -> None:
+    # SWEEP_N="1,16": decode steps into ab-pos.json, then 16-position forwards into
+    # ab-pos-n16.json, the same positions and variants, in that order
+    stub = ('import os, sys\nopen(os.environ["LOG"], "a").write("pos " + "|".join(sys.argv[1:]) + "\\n")\n')
+    printed: list[str] = []
+    calls = run(tmp_path, ["SPECD_GPU_X=1"], {"tools/device/pos_sweep.py": stub}, printed, TESTS="", FWD="0",
+                POSITIONS="64,1000", SWEEP_N="1,16", MODELS="qwen3-0.6b Q8_0")
+    out, m06 = tmp_path / "out", "/dev/shm/m/qwen3-0.6b-Q8_0.random.gguf"
+    base = "SPECD_NATIVE_DIR=/tmp/base/build/dev-base"
+    sweeps = [c for c in calls if c.startswith("pos ")]
+    assert sweeps == sorted("pos " + "|".join(["--n", n, "--positions", "64,1000", "--n-ctx", "1200", str(out / name),
+                                               m06, "--", base, "", "SPECD_GPU_X=1"])
+                            for n, name in (("1", "ab-pos.json"), ("16", "ab-pos-n16.json")))
+    said = [line for line in printed[0].splitlines() if "positions swept" in line]
+    assert [line.split("] ")[1] for line in said] == ["positions swept, 1 a forward", "positions swept, 16 a forward"]
+
+
 # a patch that adds the file PATCHED (its text: "patched") at the tree's root
 ADD_MARKER = """--- /dev/null
 +++ b/PATCHED

@@ -23,8 +23,8 @@
 #      skips this step (a call that only sweeps positions or traces);
 #   4b. with POSITIONS ("64,1000,4000"): tools/device/pos_sweep.py $OUT/ab-pos.json, the same
 #      variants' decode steps after each of those positions (n_ctx: the last one + 200); with
-#      SWEEP_N (e.g. 16) forwards of that many positions instead (a speculative verify), into
-#      $OUT/ab-pos-n16.json; SWEEP_N="1,16" sweeps both, decode steps first;
+#      SWEEP_N (e.g. 16) forwards of that many positions instead (a speculative verify);
+#      SWEEP_N="1,16" sweeps both, the first into ab-pos.json, the next into ab-pos-n16.json;
 #   5. with TRACE=1: tools/device/trace_decode.py on the first model, one position and 16
 #      ($OUT/trace-n1.json, $OUT/trace-n16.json); with TRACE_POS ("64,1000,4000") instead one
 #      position after each of those, on the tree's trace build and on a trace build of the base
@@ -122,9 +122,10 @@ fi
 
 if [ -n "${POSITIONS:-}" ]; then
   sweeps=${SWEEP_N:-1}  # (default: decode steps)
+  pos_json=  # the first sweep's ab-pos.json, the others' named after their n
   for sweep_n in ${sweeps//,/ }; do
-    pos_json="$OUT/ab-pos.json"
-    [ "$sweep_n" != 1 ] && pos_json="$OUT/ab-pos-n$sweep_n.json"
+    pos_json=${pos_json:+$OUT/ab-pos-n$sweep_n.json}
+    pos_json=${pos_json:-$OUT/ab-pos.json}
     timeout 300 python3 tools/device/pos_sweep.py --n "$sweep_n" --positions "$POSITIONS" --n-ctx "$n_ctx" "$pos_json" \
       "${paths[@]}" -- "${variants[@]}" 2>&1 | grep -v "^RESULT"
     say "positions swept, $sweep_n a forward"
