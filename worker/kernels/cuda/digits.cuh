@@ -99,17 +99,15 @@ __device__ __forceinline__ float digit_sum(const int (&S)[kPlanes]) {
 }
 
 // The same for a run of Q4_K weights (0 <= q <= 15, at most 32 elements): |S0| <= 15 * 64 * 32
-// = 30720, so S0 2^16 + S1 2^8 + S2 (|.| < 2.05e9) is one exact int32, rounded once. kShift = 4
-// where the weights were read as 16 q (high nibbles in place: every S_t a multiple of 16): the
-// same value, from S_t / 16 (exact). One int-to-float conversion per run instead of two and a
-// fma; with 2 planes S0 2^8 + S1, with 1 S0.
-template <int kShift>
-__device__ __forceinline__ float digit_sum_q4(const int (&S)[kPlanes]) {
-  static_assert(kShift == 0 || kShift == 4, "q or 16 q");
-  constexpr int u = 1 << kShift;  // (multiplications, not shifts: S0 may be negative)
-  if constexpr (kPlanes == 3) return (float)(S[0] * (65536 / u) + S[1] * (256 / u) + (S[2] >> kShift));
-  else if constexpr (kPlanes == 2) return (float)(S[0] * (256 / u) + (S[1] >> kShift));
-  else return (float)(S[0] >> kShift);
+// = 30720, so S0 2^16 + S1 2^8 + S2 (|.| < 2.05e9) is one exact int32, rounded once. `high`:
+// the run of a byte's high nibbles, read in place as 16 q (every S_t a multiple of 16): the same
+// value, from S_t / 16 (exact). One int-to-float conversion per run instead of two and a fma;
+// with 2 planes S0 2^8 + S1, with 1 S0. (Callers pass `high` as a constant of an unrolled loop.)
+__device__ __forceinline__ float digit_sum_q4(const int (&S)[kPlanes], bool high) {
+  const int sh = high ? 4 : 0, u = 1 << sh;  // (multiplications, not shifts: S0 may be negative)
+  if constexpr (kPlanes == 3) return (float)(S[0] * (65536 / u) + S[1] * (256 / u) + (S[2] >> sh));
+  else if constexpr (kPlanes == 2) return (float)(S[0] * (256 / u) + (S[1] >> sh));
+  else return (float)(S[0] >> sh);
 }
 
 }  // namespace gpu

@@ -364,9 +364,8 @@ __device__ __forceinline__ void int_stage(const uint8_t* const (&base)[RPG], int
             const uint32_t x = e == 0 ? pl[t].x : e == 1 ? pl[t].y : e == 2 ? pl[t].z : pl[t].w;
             S[t] = t == 0 ? gpu_dot4<D::kSigned, true>(q[e], x, S[t]) : gpu_dot4<D::kSigned, false>(q[e], x, S[t]);
           }
-        float sum;  // (times x's grid step 2^k: exact)
-        if constexpr (T == GgmlType::Q4_K) sum = (j ? digit_sum_q4<4>(S) : digit_sum_q4<0>(S)) * xsb;  // (16 q, q)
-        else sum = digit_sum(S) * xsb;
+        // (times x's grid step 2^k: exact); Q4_K's run j = 1 holds the high nibbles
+        const float sum = (T == GgmlType::Q4_K ? digit_sum_q4(S, j == 1) : digit_sum(S)) * xsb;
         acc[rr][r] = fmaf(sum, w[rr].s[j], acc[rr][r]);
         if constexpr (T == GgmlType::Q4_K) acc[rr][r] = fmaf(w[rr].m[j], rs[k >> 4], acc[rr][r]);
       }

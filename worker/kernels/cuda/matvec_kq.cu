@@ -220,9 +220,9 @@ struct Kq<GgmlType::Q4_K> {
       const float4 meta = *reinterpret_cast<const float4*>(row + kPlanes * plane + 16 * c);
 #pragma unroll
       for (int rr = 0; rr < kRpg; ++rr) {
-        acc[rr][r] = fmaf(digit_sum_q4<0>(S[rr][0]) * meta.x, s[rr][0], acc[rr][r]);
+        acc[rr][r] = fmaf(digit_sum_q4(S[rr][0], false) * meta.x, s[rr][0], acc[rr][r]);
         acc[rr][r] = fmaf(m[rr][0], meta.y, acc[rr][r]);
-        acc[rr][r] = fmaf(digit_sum_q4<4>(S[rr][1]) * meta.z, s[rr][1], acc[rr][r]);  // (16 q)
+        acc[rr][r] = fmaf(digit_sum_q4(S[rr][1], true) * meta.z, s[rr][1], acc[rr][r]);
         acc[rr][r] = fmaf(m[rr][1], meta.w, acc[rr][r]);
       }
     }

@@ -255,8 +255,7 @@ struct Mq<GgmlType::Q4_K, MT> {
       const int seg = 4 * c + 2 * run + (t >> 1), blk = 2 * c + run;
       run_tiles<false, G, NX, uint2>(a, dig, meta, K, seg, blk, g, t, 8 * (t & 1), acc,
                                      [&](float& r, int mt, int e, const int (&S)[kPlanes], float xs, float xsum) {
-                                       const float v = run ? digit_sum_q4<4>(S) : digit_sum_q4<0>(S);  // (16 q, q)
-                                       r = fmaf(v * xs, s[mt][e >> 1][run], r);
+                                       r = fmaf(digit_sum_q4(S, run == 1) * xs, s[mt][e >> 1][run], r);
                                        r = fmaf(m[mt][e >> 1][run], xsum, r);
                                      });
     }
