@@ -122,10 +122,11 @@ fi
 
 if [ -n "${POSITIONS:-}" ]; then
   sweeps=${SWEEP_N:-1}  # (default: decode steps)
-  pos_json=  # the first sweep's ab-pos.json, the others' named after their n
+  first=1
   for sweep_n in ${sweeps//,/ }; do
-    pos_json=${pos_json:+$OUT/ab-pos-n$sweep_n.json}
-    pos_json=${pos_json:-$OUT/ab-pos.json}
+    pos_json=$OUT/ab-pos.json  # the first sweep's; the others' are named after their n
+    [ $first = 1 ] || pos_json=$OUT/ab-pos-n$sweep_n.json
+    first=0
     timeout 300 python3 tools/device/pos_sweep.py --n "$sweep_n" --positions "$POSITIONS" --n-ctx "$n_ctx" "$pos_json" \
       "${paths[@]}" -- "${variants[@]}" 2>&1 | grep -v "^RESULT"
     say "positions swept, $sweep_n a forward"
