@@ -224,7 +224,7 @@ class ReferenceModel:
             g = silu(self._linear(f, p + "ffn_gate.weight")) * self._linear(f, p + "ffn_up.weight")
             h = h + self._linear(g, p + "ffn_down.weight")
         h = rmsnorm(h, self._t("output_norm.weight"), c.norm_eps)
-        return h @ self._t("token_embd.weight" if self.tied else "output.weight").T
+        return self._linear(h, "token_embd.weight" if self.tied else "output.weight")
 
 
 # ---- metrics used by the exactness tests ----
