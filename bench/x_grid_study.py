@@ -41,7 +41,7 @@ sys.path[:0] = [str(ROOT / "tests"), str(Path(__file__).resolve().parent)]
 sys.path.append(str(ROOT))  # (an installed specd, with its native engine, comes first)
 
 import machine  # noqa: E402
-from helpers.reference import ReferenceModel, perplexity  # noqa: E402
+from helpers.reference import ReferenceModel, perplexity, rel_rms  # noqa: E402
 
 DEFAULT_GRIDS = "32:23,64:23,256:23,256:31,32:15"
 
@@ -89,10 +89,6 @@ class RoundedReference(ReferenceModel):
         if self.grid is not None:
             x = round_to_grid(x.reshape(-1, x.shape[-1]), *self.grid).reshape(x.shape)
         return super()._linear(x, name, bias)
-
-
-def rel_rms(got: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.sqrt(np.mean((got - ref) ** 2) / np.mean(ref**2)))
 
 
 def main() -> int:

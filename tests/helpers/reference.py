@@ -241,3 +241,8 @@ def perplexity(logits: np.ndarray, tokens) -> float:
     lp = log_softmax(logits[:-1])
     nll = -lp[np.arange(len(tokens) - 1), tokens[1:]]
     return float(np.exp(nll.mean()))
+
+
+def rel_rms(got: np.ndarray, ref: np.ndarray) -> float:
+    """RMS(got - ref) / RMS(ref)."""
+    return float(np.sqrt(np.mean((got - ref) ** 2) / np.mean(ref**2)))

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from helpers.reference import ReferenceModel, perplexity
+from helpers.reference import ReferenceModel, perplexity, rel_rms
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 MIN_TOP1 = 0.97
@@ -50,10 +50,6 @@ def _token_ids(model) -> list[int]:
     ids = Tokenizer.from_metadata(model.metadata).encode((DATA / "exact_text.txt").read_text(), add_special=False)
     print(f"specd tokenizer: {len(ids)} ids, {'equal to' if list(ids) == stored else 'DIFFERENT from'} llama.cpp's")
     return list(ids)
-
-
-def rel_rms(got: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.sqrt(np.mean((got - ref) ** 2) / np.mean(ref**2)))
 
 
 def _engine_logits(model, tokens: list[int], **options) -> np.ndarray:
