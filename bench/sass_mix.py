@@ -9,7 +9,7 @@ issues fewer instructions per IMMA is a speed change, and this counts them on an
 nvcc: it compiles a kernel file for one architecture with the build's flags, disassembles it
 (cuobjdump), finds each kernel's inner loop (the innermost backward branch whose body holds the
 most tensor-core / dot instructions), and reports that loop's instructions per such
-instruction, by kind, with the kernel's registers and spills.
+instruction, by kind, with the kernel's registers and stack frame (where ptxas puts its spills).
 
 The counts are static: the loop body as compiled, its rarely taken branches (a new tile of
 weights) included, so they overstate what runs (the H100's measured 26 per IMMA against ~29
@@ -264,13 +264,13 @@ def kernel_rows(sass: str, res: str, match: str) -> list[dict]:
 
 def print_rows(rows: list[dict]) -> None:
     kinds = ["tensor", "dot", "int", "convert", "float", "load", "const", "move", "control"]
-    print(f"\n{'kernel':<58} {'regs':>4} {'local':>5} {'loop':>5} {'work':>4} {'/work':>6} {'MAC/i':>6}  " +
+    print(f"\n{'kernel':<58} {'regs':>4} {'stack':>5} {'loop':>5} {'work':>4} {'/work':>6} {'MAC/i':>6}  " +
           " ".join(f"{k[:7]:>7}" for k in kinds))
     for r in rows:
         if "loop_work" not in r:
             continue
         w = r["loop_work"]
-        print(f"{r['kernel'][:58]:<58} {r.get('regs', 0):>4} {r.get('local', 0):>5} {r['loop_instructions']:>5} "
+        print(f"{r['kernel'][:58]:<58} {r.get('regs', 0):>4} {r.get('stack', 0):>5} {r['loop_instructions']:>5} "
               f"{w:>4} {r['per_work']:>6.2f} {r['macs_per_insn']:>6.1f}  " + " ".join(f"{r['kinds'].get(k, 0) / w:>7.2f}" for k in kinds))
     print("(per work instruction: the loop's instructions of each kind over its tensor-core / dot ones; MAC/i: "
           "the loop's 8-bit multiply-adds per instruction, each digit plane counted)")
@@ -286,13 +286,13 @@ def compare(before: dict, after: dict) -> list[dict]:
             p0, p1 = b[r["kernel"]]["per_work"], r["per_work"]
             out.append({"kernel": r["kernel"], "before": p0, "after": p1, "change": round(p1 / p0 - 1, 4),
                         "regs": (b[r["kernel"]].get("regs"), r.get("regs")),
-                        "local": (b[r["kernel"]].get("local"), r.get("local"))})
+                        "stack": (b[r["kernel"]].get("stack"), r.get("stack"))})
     return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--file", default="matvec_kq_mma.cu", help="a file of worker/kernels/cuda")
+    ap.add_argument("--file", default="matvec_kq_mma.cu", help="a file of worker/kernels/cuda, or a path")
     ap.add_argument("--arch", default="sm_90a")
     ap.add_argument("--match", default="kernel", help="regex on the readable kernel name")
     ap.add_argument("-D", dest="defines", action="append", default=[], help="NAME=VALUE for nvcc (repeatable)")
@@ -304,13 +304,13 @@ def main() -> int:
 
     if args.compare:
         rows = compare(*(json.loads(Path(p).read_text()) for p in args.compare))
-        print(f"{'kernel':<58} {'before':>7} {'after':>7} {'change':>8}  regs        local")
+        print(f"{'kernel':<58} {'before':>7} {'after':>7} {'change':>8}  regs        stack")
         for r in rows:
             print(f"{r['kernel'][:58]:<58} {r['before']:>7.2f} {r['after']:>7.2f} {100 * r['change']:>+7.1f}%  "
-                  f"{r['regs'][0]}->{r['regs'][1]:<6} {r['local'][0]}->{r['local'][1]}")
+                  f"{r['regs'][0]}->{r['regs'][1]:<6} {r['stack'][0]}->{r['stack'][1]}")
         return 0
 
-    src = ROOT / "worker" / "kernels" / "cuda" / args.file
+    src = next((c for c in (Path(args.file), ROOT / args.file) if c.is_file()), ROOT / "worker" / "kernels" / "cuda" / args.file)
     cuobjdump = find_cuobjdump(args.cuobjdump)
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"

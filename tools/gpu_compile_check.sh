@@ -71,6 +71,13 @@ if [[ "$what" == cuda || "$what" == all ]]; then
   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -c bench/gpu_sync.cu -o build/check-cuda/gpu_sync.o ||
     { echo "gpu_compile_check: bench/gpu_sync.cu failed"; exit 1; }
   echo "gpu_compile_check: bench/gpu_sync.cu OK"
+  # bench/mma_scaled_a.cu (a design probe that bench/sass_mix.py counts), both register budgets
+  for w in 16 8; do
+    nvcc -std=c++17 --expt-relaxed-constexpr -O3 --use_fast_math -arch=sm_90a -Iworker/kernels -Iworker \
+      -DSPECD_WITH_GPU=1 -DSA_WARPS=$w --cubin bench/mma_scaled_a.cu -o build/check-cuda/mma_scaled_a_$w.cubin ||
+      { echo "gpu_compile_check: bench/mma_scaled_a.cu failed"; exit 1; }
+  done
+  echo "gpu_compile_check: bench/mma_scaled_a.cu OK"
 fi
 
 if [[ "$what" == hip || "$what" == all ]]; then

@@ -83,12 +83,12 @@ def test_a_function_without_a_work_loop_has_no_loop_columns() -> None:
 
 
 def test_compare_pairs_kernels_by_name() -> None:
-    before = {"kernels": [{"kernel": "a", "per_work": 30.0, "regs": 128, "local": 0},
-                          {"kernel": "b", "per_work": 20.0, "regs": 100, "local": 0}]}
-    after = {"kernels": [{"kernel": "a", "per_work": 27.0, "regs": 126, "local": 0},
+    before = {"kernels": [{"kernel": "a", "per_work": 30.0, "regs": 128, "stack": 8},
+                          {"kernel": "b", "per_work": 20.0, "regs": 100, "stack": 0}]}
+    after = {"kernels": [{"kernel": "a", "per_work": 27.0, "regs": 126, "stack": 0},
                          {"kernel": "c", "per_work": 10.0}]}
     assert sm.compare(before, after) == [
-        {"kernel": "a", "before": 30.0, "after": 27.0, "change": -0.1, "regs": (128, 126), "local": (0, 0)}]
+        {"kernel": "a", "before": 30.0, "after": 27.0, "change": -0.1, "regs": (128, 126), "stack": (8, 0)}]
 
 
 @pytest.mark.skipif(shutil.which("c++filt") is None, reason="no c++filt")
