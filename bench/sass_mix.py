@@ -75,11 +75,16 @@ _RES = re.compile(r"^\s*Function\s+(\S+?):\s*$")
 _REG = re.compile(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)")
 
 
-def opcode(text: str) -> str:
-    """An instruction's opcode without its guard predicate and modifiers: '@!P0 IMAD.WIDE R4, ...'
-    -> 'IMAD'."""
+def mnemonic(text: str) -> str:
+    """An instruction's opcode with its modifiers, without its guard predicate: '@!P0 IMAD.WIDE
+    R4, ...' -> 'IMAD.WIDE'."""
     t = re.sub(r"^@!?U?P[T0-9]+\s+", "", text.strip())
-    return t.split(None, 1)[0].split(".", 1)[0] if t else ""
+    return t.split(None, 1)[0] if t else ""
+
+
+def opcode(text: str) -> str:
+    """The mnemonic without its modifiers: '@!P0 IMAD.WIDE R4, ...' -> 'IMAD'."""
+    return mnemonic(text).split(".", 1)[0]
 
 
 def kind(op: str) -> str:
@@ -132,8 +137,7 @@ def work_count(mix: collections.Counter) -> int:
 def macs(text: str) -> int:
     """Multiply-adds a warp instruction performs: an MMA's m x n x k from its shape
     (IMMA.16832: 16 x 8 x 32), a dot product's 4 or 2 per lane (IDP.4A: 128); 0 otherwise."""
-    t = re.sub(r"^@!?U?P[T0-9]+\s+", "", text.strip()).split(None, 1)[0]
-    parts = t.split(".")
+    parts = mnemonic(text).split(".")
     if parts[0] in ("IMMA", "HMMA") and len(parts) > 1 and re.fullmatch(r"\d{4,5}", parts[1]):
         shape = parts[1]
         return int(shape[:2]) * int(shape[2]) * int(shape[3:])
@@ -218,23 +222,23 @@ def find_nvcc() -> str:
     raise SystemExit("sass_mix: no nvcc found (PATH or /usr/local/cuda/bin)")
 
 
-def compile_cubin(src: Path, arch: str, defines: list[str], out: Path) -> str:
-    """The kernel file as a cubin (the build's flags); returns ptxas' resource report."""
+def compile_cubin(src: Path, arch: str, defines: list[str], out: Path) -> None:
+    """The kernel file as a cubin, with the build's flags."""
     cmd = [find_nvcc(), *NVCC_FLAGS, f"-arch={arch}", f"-I{ROOT / 'worker' / 'kernels'}", f"-I{ROOT / 'worker'}",
-           *(f"-D{d}" for d in defines), "--cubin", "-Xptxas", "-v", str(src), "-o", str(out)]
+           *(f"-D{d}" for d in defines), "--cubin", str(src), "-o", str(out)]
     t0 = time.time()
     print(f"compiling {src.name} for {arch} {' '.join('-D' + d for d in defines)} ...", flush=True)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    while proc.poll() is None:  # (matvec.cu takes minutes on 2 cores: say it is still going)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            print(f"  ... {time.time() - t0:.0f} s", flush=True)
-    log = proc.stdout.read() if proc.stdout else ""
-    if proc.returncode != 0:
-        raise SystemExit(f"sass_mix: nvcc failed:\n{log[-4000:]}")
+    with tempfile.TemporaryFile(mode="w+") as log:  # (a file, not a pipe: nvcc's warnings can fill one)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+        while proc.poll() is None:  # (matvec.cu takes minutes on 2 cores: say it is still going)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                print(f"  ... {time.time() - t0:.0f} s", flush=True)
+        if proc.returncode != 0:
+            log.seek(0)
+            raise SystemExit(f"sass_mix: nvcc failed:\n{log.read()[-4000:]}")
     print(f"  compiled in {time.time() - t0:.0f} s", flush=True)
-    return log
 
 
 def kernel_rows(sass: str, res: str, match: str) -> list[dict]:
