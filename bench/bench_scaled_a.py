@@ -9,8 +9,12 @@ nvcc as a standalone program and, per shape, reports:
   same weights and x on the same grids (max error / max output, over the first 512 rows), and
   whether any of its 32-bit integers would overflow, on random data and on the extreme case
   the bounds allow;
-* with --gpu: the kernel's outputs against that replay (they should match bit for bit) and the
-  reference, and its time (median of --reps launches) and weight bandwidth.
+* the same replayed the decode way (sum_j sc_j S_(t,j) from dp4a-sized sums, sum_j mn_j T_j
+  whole): its outputs must equal the verify's bit for bit, or speculation would not be exact;
+* with --gpu: the verify kernel's outputs against the replay (bit for bit) and the reference,
+  the decode kernel's (`sa_decode_kernel`, one row of x at a time) against the verify
+  kernel's (bit for bit, every output), and both kernels' times (median of --reps launches)
+  and weight bandwidth.
 
 To compare with the engine, time the engine's verify on the same device in the same call,
 e.g. `tools/device/trace_decode.py MODEL --n 16` (its gate/up, wo and QKV launches).
@@ -75,17 +79,21 @@ def main(argv: list[str] | None = None) -> int:
             r = run(exe, "gpu" if args.gpu else "host", k, n_out, args.reps)
             rows.append({"shape": name, **r})
 
-    print(f"\n{'shape':8} {'K':>6} {'rows':>6} {'replay err':>11} {'extreme err':>12} {'overflow':>9}"
-          + (f" {'kernel err':>11} {'unlike replay':>14} {'median us':>10} {'GB/s':>7}" if args.gpu else ""))
+    print(f"\n{'shape':8} {'K':>6} {'rows':>6} {'replay err':>11} {'extreme err':>12} {'overflow':>9} {'dec-replay!=':>8}"
+          + (f" {'kernel err':>11} {'!=replay':>8} {'us':>8} {'GB/s':>7} {'dec us':>8} {'dec GB/s':>9} {'dec!=ver':>6}"
+             if args.gpu else ""))
     for r in rows:
         line = (f"{r['shape']:8} {r['K']:>6} {r['n_out']:>6} {r['replay_rel_err']:>11.2e} {r['extreme_rel_err']:>12.2e} "
-                f"{str(r['int32_overflow'] or r['extreme_int32_overflow']):>9}")
+                f"{str(r['int32_overflow'] or r['extreme_int32_overflow']):>9} {r['decode_replay_unlike']:>8}")
         if args.gpu:
-            line += (f" {r['kernel_rel_err']:>11.2e} {r['outputs_unlike_replay']:>14} {r['median_us']:>10.2f} "
-                     f"{r['weight_gb_s']:>7.1f}")
+            line += (f" {r['kernel_rel_err']:>11.2e} {r['outputs_unlike_replay']:>8} {r['median_us']:>8.2f} "
+                     f"{r['weight_gb_s']:>7.1f} {r['decode_median_us']:>8.2f} {r['decode_weight_gb_s']:>9.1f} "
+                     f"{r['decode_unlike_verify']:>6}")
         print(line)
     print("(err: max |output - float64 reference| / max |reference|; extreme: every q, scale and minimum at its "
-          "largest, every digit of x +-2^22)")
+          "largest, every digit of x +-2^22; dec-replay!=: outputs of the decode-way replay whose bits differ from the "
+          "verify's; !=replay / dec!=ver: the verify kernel's against the replay, the decode kernel's against the verify "
+          "kernel's)")
 
     date = dt.date.today().isoformat()
     dev = machine.slug(rows[0].get("device", "cpu")) if rows else "cpu"
@@ -95,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
                                "machine": machine.cpu_name(), "gpu": machine.gpu_info() if args.gpu else {},
                                "rows": rows}, indent=1) + "\n")
     print(f"wrote {out}")
-    bad = [r["shape"] for r in rows if r["int32_overflow"] or r["extreme_int32_overflow"]
-           or (args.gpu and r["outputs_unlike_replay"])]
+    bad = [r["shape"] for r in rows if r["int32_overflow"] or r["extreme_int32_overflow"] or r["decode_replay_unlike"]
+           or (args.gpu and (r["outputs_unlike_replay"] or r["decode_unlike_verify"]))]
     if bad:
         print(f"bench_scaled_a: FAILED on {', '.join(bad)}", file=sys.stderr)
         return 1

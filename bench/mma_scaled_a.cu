@@ -16,8 +16,9 @@
 //   * N = sum_j mn_j T_j, T_j = sum of run j's X (|T| < 2^27, four byte planes of the image):
 //     one m16n8k16 MMA per plane, mn in k-slots 0..7 (lanes t = 0, 1) and zeros in 8..15;
 //   * y += xs (d M - dmin N), xs the super-block's grid step.
-// The float part rounds where it converts M and N: a design would fix that order and the
-// decode reader would follow it (its dp4a sums can form the same integers).
+// The float part rounds where it converts M and N; a decode reader forming the same integers
+// with dp4a and running the same float part in the same order gives the same bits
+// (sa_decode_kernel, below the verify's sa_kernel).
 //
 // Work (sa_kernel): as the engine's kq_mma_kernel splits it. A CTA of 8 H warps (SA_WARPS = 16:
 // H = 2, at most 128 registers a thread; 8: H = 1) takes tiles of 16 H weight rows x 8 NT
@@ -27,8 +28,9 @@
 // ((t S + s) NX + (r ^ f(s))) 16, S = K / 16; then per super-block and row its grid step, and
 // T's four planes as two words each (sub-blocks 0..3, 4..7). The program's host part (main,
 // at the end) makes random Q4_K rows and x, the image, a float64 reference and a step-for-step
-// CPU replay of the kernel's arithmetic, and with a GPU times the kernel and checks it against
-// both (bench/bench_scaled_a.py runs it; it has not yet run on a GPU).
+// CPU replay of the kernel's arithmetic (also the decode kernel's way), and with a GPU times
+// both kernels and checks them against it and each other (bench/bench_scaled_a.py runs it;
+// it has not yet run on a GPU).
 //
 //   python3 bench/sass_mix.py --file bench/mma_scaled_a.cu --match sa_kernel --label scaled-a
 #include <algorithm>
@@ -233,8 +235,10 @@ __global__ void __launch_bounds__(32 * kWarpsPerCta, 1) sa_kernel(const SaParams
           const int q1 = 16 * P[0][nt][1][e] + P[1][nt][1][e];
           const int q2 = 16 * P[0][nt][2][e] + P[1][nt][2][e];
           const float M = fmaf((float)q0, 65536.f, fmaf((float)q1, 256.f, (float)q2));
+          // N as one exact 64-bit integer, rounded once: any reader that forms the same
+          // integer gets the same float (the decode reader forms it from whole T_j)
           const int n321 = (Nq[3][e] * 256 + Nq[2][e]) * 256 + Nq[1][e];
-          const float N = fmaf((float)n321, 256.f, (float)Nq[0][e]);
+          const float N = (float)((long long)n321 * 256 + Nq[0][e]);
           y[nt][e] = fmaf((e & 1) ? xs.y : xs.x, fmaf(-dmin[r], N, d[r] * M), y[nt][e]);
         }
       }
@@ -267,6 +271,84 @@ __global__ void __launch_bounds__(32 * kWarpsPerCta, 1) sa_kernel(const SaParams
 
 template __global__ void sa_kernel<1>(const SaParams);
 template __global__ void sa_kernel<2>(const SaParams);
+
+// The decode side (one row of x): the same outputs, bit for bit, from dp4a. A warp per weight
+// row; lane 4 q + c takes chunk c (runs 2c, 2c + 1) of the super-blocks q, q + 8, ... (the
+// verify's quads), forms sum_j sc_j S_(t,j) per plane and sum_j mn_j T_j (exact, so the four
+// lanes of a quad add theirs in any order), and every lane of the quad then runs the verify's
+// float part for the super-block, in the same order; the quads' sums meet in quad order.
+// x's digits here: three planes of K bytes (D0 signed), the grid step per super-block and T
+// per 32-element run, in global memory (the engine's reader would prepare them in shared
+// memory, as it does its digits today).
+struct SaDecParams {
+  const uint8_t* w = nullptr;  // Q4_K rows, `stride` bytes apart
+  int64_t stride = 0;
+  int64_t n_out = 0;
+  int nsb = 0;
+  const uint8_t* dig = nullptr;  // [3][K]
+  const float* xs = nullptr;     // [K / 256]
+  const int32_t* tsum = nullptr;  // [K / 32]
+  float* y = nullptr;            // [n_out]
+};
+
+__global__ void __launch_bounds__(256) sa_decode_kernel(const SaDecParams p) {
+#if SPECD_MMA
+  const int lane = threadIdx.x % 32, q = lane >> 2, c = lane & 3;
+  const int64_t o = (int64_t)blockIdx.x * 8 + threadIdx.x / 32;
+  if (o >= p.n_out) return;
+  const int64_t K = (int64_t)p.nsb * 256;
+  const uint8_t* row = p.w + (size_t)o * p.stride;
+  float acc = 0.f;
+  for (int sb = q; sb < p.nsb; sb += 8) {
+    const uint8_t* blk = row + 144 * (size_t)sb;
+    const uint4 hd = __ldg(reinterpret_cast<const uint4*>(blk));
+    const uint4 qa = __ldg(reinterpret_cast<const uint4*>(blk + 16 + 32 * c));
+    const uint4 qb = __ldg(reinterpret_cast<const uint4*>(blk + 32 + 32 * c));
+    const uint32_t qw[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
+    uint32_t scp, mnp;  // sub-blocks 2c (low byte), 2c + 1
+    const uint32_t sh16 = 16 * (c & 1);
+    kquant_pair_of(hd.y >> sh16, hd.z >> sh16, hd.w >> sh16, c, scp, mnp);
+    int P[3] = {0, 0, 0};
+    long long n64 = 0;
+#pragma unroll
+    for (int run = 0; run < 2; ++run) {
+      const int j = 2 * c + run;
+      const int64_t e0 = 256 * (int64_t)sb + 32 * j;
+      int S[3] = {0, 0, 0};
+#pragma unroll
+      for (int pl = 0; pl < 3; ++pl) {
+        const uint4* dp = reinterpret_cast<const uint4*>(p.dig + pl * K + e0);
+        const uint4 da = __ldg(dp), db = __ldg(dp + 1);
+        const uint32_t dw[8] = {da.x, da.y, da.z, da.w, db.x, db.y, db.z, db.w};
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          const uint32_t qn = run ? (qw[k] >> 4) & 0x0F0F0F0Fu : qw[k] & 0x0F0F0F0Fu;
+          S[pl] = pl == 0 ? __dp4a((int)dw[k], (int)qn, S[pl]) : (int)__dp4a(dw[k], qn, (unsigned)S[pl]);
+        }
+      }
+      const int scj = (int)((scp >> (8 * run)) & 0xFF), mnj = (int)((mnp >> (8 * run)) & 0xFF);
+#pragma unroll
+      for (int pl = 0; pl < 3; ++pl) P[pl] += scj * S[pl];
+      n64 += (long long)mnj * __ldg(p.tsum + (e0 >> 5));
+    }
+    // the quad's four chunks (exact integers: any order)
+#pragma unroll
+    for (int m = 1; m < 4; m <<= 1) {
+#pragma unroll
+      for (int pl = 0; pl < 3; ++pl) P[pl] += __shfl_xor_sync(0xFFFFFFFFu, P[pl], m);
+      n64 += __shfl_xor_sync(0xFFFFFFFFu, n64, m);
+    }
+    const float d = f16_bits(hd.x & 0xFFFF), dmin = f16_bits(hd.x >> 16);
+    const float M = fmaf((float)P[0], 65536.f, fmaf((float)P[1], 256.f, (float)P[2]));
+    const float N = (float)n64;
+    acc = fmaf(__ldg(p.xs + sb), fmaf(-dmin, N, d * M), acc);
+  }
+  float v = 0.f;  // the quads in order, as the verify's tile end adds them
+#pragma unroll
+  for (int w = 0; w < 8; ++w) v += __shfl_sync(0xFFFFFFFFu, acc, 4 * w);
+  if (lane == 0) p.y[o] = v;
+#endif  // SPECD_MMA
+}
 
 // ---- host: random Q4_K rows and x, the probe's image, a float64 reference, the probe's
 // arithmetic replayed on the CPU, and (with a GPU) the kernel timed and checked against both.
@@ -401,7 +483,9 @@ std::vector<double> reference(const Problem& pr, int64_t rows) {
 // The kernel's arithmetic on the CPU for the first `rows` outputs, step for step: the integers
 // exact (checked in 64 bits against the 32 the kernel keeps), the float operations the
 // kernel's, in its order.
-std::vector<float> replay(const Problem& pr, int64_t rows, bool& overflow) {
+// decode: the integers formed as the decode kernel forms them (sum_j sc_j S_(t,j) per plane,
+// sum_j mn_j T_j whole) instead of the verify's weight and T planes; the float part the same.
+std::vector<float> replay(const Problem& pr, int64_t rows, bool& overflow, bool decode = false) {
   const int64_t nsb = pr.K / 256;
   std::vector<float> y((size_t)(pr.NX * pr.n_out), 0.f);
   overflow = false;
@@ -419,11 +503,11 @@ std::vector<float> replay(const Problem& pr, int64_t rows, bool& overflow) {
         std::memcpy(&d16, blk, 2);
         std::memcpy(&m16, blk + 2, 2);
         const float d = from_f16(d16), dmin = from_f16(m16);
-        int64_t P[2][3] = {}, Nq[4] = {};
+        int64_t P[2][3] = {}, Nq[4] = {}, D[3] = {}, n64 = 0;
         for (int j = 0; j < 8; ++j) {
           int sc, mn;
           scale_min(blk + 4, j, sc, mn);
-          int64_t T = 0;
+          int64_t T = 0, S[3] = {};
           for (int i = 0; i < 32; ++i) {
             const uint8_t b = blk[16 + 32 * (j / 2) + i];
             const int q = (j & 1) ? b >> 4 : b & 15;
@@ -432,17 +516,21 @@ std::vector<float> replay(const Problem& pr, int64_t rows, bool& overflow) {
             for (int pl = 0; pl < 3; ++pl) {
               P[0][pl] += (int64_t)((sc >> 4) * q) * dg[pl];
               P[1][pl] += (int64_t)((sc & 15) * q) * dg[pl];
+              S[pl] += (int64_t)q * dg[pl];
             }
             T += v;
           }
+          for (int pl = 0; pl < 3; ++pl) D[pl] += sc * (int64_t)i32(S[pl]);
+          n64 += (int64_t)mn * T;
           const int tb[4] = {(int)(T & 255), (int)((T >> 8) & 255), (int)((T >> 16) & 255), (int)(T >> 24)};
           for (int tp = 0; tp < 4; ++tp) Nq[tp] += (int64_t)mn * tb[tp];
         }
         int32_t q3[3];
-        for (int pl = 0; pl < 3; ++pl) q3[pl] = i32(16 * (int64_t)i32(P[0][pl]) + i32(P[1][pl]));
+        for (int pl = 0; pl < 3; ++pl)
+          q3[pl] = decode ? i32(D[pl]) : i32(16 * (int64_t)i32(P[0][pl]) + i32(P[1][pl]));
         const float M = fmaf((float)q3[0], 65536.f, fmaf((float)q3[1], 256.f, (float)q3[2]));
         const int32_t n321 = i32((i32(Nq[3]) * 256 + i32(Nq[2])) * (int64_t)256 + i32(Nq[1]));
-        const float N = fmaf((float)n321, 256.f, (float)i32(Nq[0]));
+        const float N = (float)(decode ? n64 : (int64_t)n321 * 256 + i32(Nq[0]));
         const float dM = d * M;
         acc = fmaf(pr.xs[r * nsb + sb], fmaf(-dmin, N, dM), acc);
       }
@@ -451,6 +539,31 @@ std::vector<float> replay(const Problem& pr, int64_t rows, bool& overflow) {
       y[r * pr.n_out + o] = v;
     }
   return y;
+}
+
+// The decode kernel's inputs for row r of x: its digit planes (plane-major), grid steps, and T
+// per 32-element run.
+void decode_inputs(const Problem& pr, int r, std::vector<uint8_t>& dig, std::vector<float>& xs,
+                   std::vector<int32_t>& tsum) {
+  const int64_t K = pr.K, nsb = K / 256;
+  dig.resize((size_t)(3 * K));
+  tsum.assign((size_t)(K / 32), 0);
+  for (int64_t i = 0; i < K; ++i) {
+    const int32_t v = pr.X[r * K + i];
+    dig[i] = (uint8_t)(int8_t)(v >> 16);
+    dig[K + i] = (uint8_t)(v >> 8);
+    dig[2 * K + i] = (uint8_t)v;
+    tsum[i / 32] += v;
+  }
+  xs.assign(pr.xs.begin() + r * nsb, pr.xs.begin() + (r + 1) * nsb);
+}
+
+// how many of the first `rows` outputs of each row of x differ in their bits
+size_t unlike(const std::vector<float>& a, const std::vector<float>& b, int64_t n_out, int64_t rows) {
+  size_t n = 0;
+  for (size_t i = 0; i < a.size(); ++i)
+    if ((int64_t)(i % n_out) < rows) n += std::memcmp(&a[i], &b[i], 4) != 0;
+  return n;
 }
 
 // max |a - ref| / max |ref| over the first `rows` outputs of each row of x
@@ -504,10 +617,16 @@ int main(int argc, char** argv) {
   const Problem ex = make_problem(K, 16, 16, 1, true);
   bool ex_overflow = false;
   const std::vector<float> ex_rep = replay(ex, 16, ex_overflow);
+  // the decode's way to the same integers, replayed: the same floats, bit for bit
+  bool dec_overflow = false;
+  const size_t dec_unlike = unlike(replay(pr, check, dec_overflow, true), rep, n_out, check) +
+                            unlike(replay(ex, 16, dec_overflow, true), ex_rep, 16, 16);
+  overflow = overflow || dec_overflow;
   std::printf("{\"mode\": \"%s\", \"K\": %lld, \"n_out\": %lld, \"rows_x\": 16, \"replay_rel_err\": %.3e, "
-              "\"int32_overflow\": %s, \"extreme_rel_err\": %.3e, \"extreme_int32_overflow\": %s",
+              "\"int32_overflow\": %s, \"extreme_rel_err\": %.3e, \"extreme_int32_overflow\": %s, "
+              "\"decode_replay_unlike\": %zu",
               mode.c_str(), (long long)K, (long long)n_out, rel_err(rep, ref, n_out, check),
-              overflow ? "true" : "false", rel_err(ex_rep, reference(ex, 16), 16, 16), ex_overflow ? "true" : "false");
+              overflow ? "true" : "false", rel_err(ex_rep, reference(ex, 16), 16, 16), ex_overflow ? "true" : "false", dec_unlike);
   if (mode == "gpu") {
 #if defined(__CUDACC__)
     uint8_t *dw = nullptr, *dimg = nullptr;
@@ -549,14 +668,52 @@ int main(int argc, char** argv) {
     std::sort(times.begin(), times.end());
     std::vector<float> got(rep.size());
     SA_CHECK(cudaMemcpy(got.data(), dy, sizeof(float) * got.size(), cudaMemcpyDeviceToHost));
-    size_t differ = 0;
-    for (size_t i = 0; i < got.size(); ++i)
-      if ((int64_t)(i % n_out) < check) differ += std::memcmp(&got[i], &rep[i], 4) != 0;
-    const double us = times[times.size() / 2], bytes = (double)pr.w.size();
+    const size_t differ = unlike(got, rep, n_out, check);
+    // the decode kernel on each row of x: against the verify kernel's outputs, all of them
+    uint8_t* ddig = nullptr;
+    float* dxs = nullptr;
+    int32_t* dts = nullptr;
+    SA_CHECK(cudaMalloc(&ddig, 3 * K));
+    SA_CHECK(cudaMalloc(&dxs, sizeof(float) * (K / 256)));
+    SA_CHECK(cudaMalloc(&dts, sizeof(int32_t) * (K / 32)));
+    std::vector<float> dec(got.size()), dtimes;
+    for (int r = 0; r < 16; ++r) {
+      std::vector<uint8_t> hdig;
+      std::vector<float> hxs;
+      std::vector<int32_t> hts;
+      decode_inputs(pr, r, hdig, hxs, hts);
+      SA_CHECK(cudaMemcpy(ddig, hdig.data(), hdig.size(), cudaMemcpyHostToDevice));
+      SA_CHECK(cudaMemcpy(dxs, hxs.data(), sizeof(float) * hxs.size(), cudaMemcpyHostToDevice));
+      SA_CHECK(cudaMemcpy(dts, hts.data(), sizeof(int32_t) * hts.size(), cudaMemcpyHostToDevice));
+      SaDecParams dp;
+      dp.w = dw;
+      dp.stride = p.stride;
+      dp.n_out = n_out;
+      dp.nsb = p.nsb;
+      dp.dig = ddig;
+      dp.xs = dxs;
+      dp.tsum = dts;
+      dp.y = dy + r * n_out;  // (the verify's outputs are already copied back)
+      for (int i = 0; i < (r == 0 ? reps + 1 : 1); ++i) {
+        SA_CHECK(cudaEventRecord(a));
+        sa_decode_kernel<<<(unsigned)((n_out + 7) / 8), 256>>>(dp);
+        SA_CHECK(cudaEventRecord(b));
+        SA_CHECK(cudaEventSynchronize(b));
+        SA_CHECK(cudaGetLastError());
+        float ms = 0;
+        SA_CHECK(cudaEventElapsedTime(&ms, a, b));
+        if (r == 0 && i > 0) dtimes.push_back(1e3f * ms);
+      }
+    }
+    SA_CHECK(cudaMemcpy(dec.data(), dy, sizeof(float) * dec.size(), cudaMemcpyDeviceToHost));
+    std::sort(dtimes.begin(), dtimes.end());
+    const size_t dec_vs_verify = unlike(dec, got, n_out, n_out);
+    const double us = times[times.size() / 2], bytes = (double)pr.w.size(), dus = dtimes[dtimes.size() / 2];
     std::printf(", \"device\": \"%s\", \"sms\": %d, \"warps_per_cta\": %d, \"ctas\": %u, \"median_us\": %.2f, "
-                "\"min_us\": %.2f, \"weight_gb_s\": %.1f, \"kernel_rel_err\": %.3e, \"outputs_unlike_replay\": %zu",
+                "\"min_us\": %.2f, \"weight_gb_s\": %.1f, \"kernel_rel_err\": %.3e, \"outputs_unlike_replay\": %zu, "
+                "\"decode_median_us\": %.2f, \"decode_weight_gb_s\": %.1f, \"decode_unlike_verify\": %zu",
                 prop.name, prop.multiProcessorCount, kWarpsPerCta, grid.x, us, times[0], bytes / us * 1e-3,
-                rel_err(got, ref, n_out, check), differ);
+                rel_err(got, ref, n_out, check), differ, dus, bytes / dus * 1e-3, dec_vs_verify);
 #endif
   }
   std::printf("}\n");

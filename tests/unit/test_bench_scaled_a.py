@@ -1,8 +1,9 @@
 """The scaled-weights design probe (bench/mma_scaled_a.cu) keeps its promises on the CPU: its
 integers stay within 32 bits even where every q, scale, minimum and digit of x is at its
 largest, and its arithmetic, replayed step for step, lands within float32 rounding of the
-float64 reference on the 8B's verify shapes. (Its kernel against that replay needs a GPU:
-`bench/bench_scaled_a.py --gpu`.)"""
+float64 reference on the 8B's verify shapes; and a decode reader's way to the same integers
+(dp4a-sized sums, whole T_j) gives the same floats bit for bit. (Its kernels against that
+replay and each other need a GPU: `bench/bench_scaled_a.py --gpu`.)"""
 from __future__ import annotations
 
 import json
@@ -38,3 +39,5 @@ def test_the_probe_arithmetic_is_exact_until_its_float_epilogue(tmp_path: Path) 
         # float32 rounding of M and N and of the sum over 16 super-blocks: a few ulps of the output
         assert 0 < r["replay_rel_err"] < 1e-6
         assert r["extreme_rel_err"] < 1e-6
+        # the decode reader's way to the same integers gives the same floats: speculation stays exact
+        assert r["decode_replay_unlike"] == 0
