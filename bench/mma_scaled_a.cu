@@ -367,10 +367,17 @@ struct Rng {  // splitmix64
   double normal() { return std::sqrt(-2.0 * std::log(1.0 - uniform())) * std::cos(6.283185307179586 * uniform()); }
 };
 
-uint16_t to_f16(float f) { return __half_as_ushort(__float2half_rn(f)); }
-float from_f16(uint16_t h) { return __half2float(__ushort_as_half(h)); }
+// a Q4_K block's d and dmin (common/types.h's conversion)
+void block_d(const uint8_t* blk, float& d, float& dmin) {
+  uint16_t d16, m16;
+  std::memcpy(&d16, blk, 2);
+  std::memcpy(&m16, blk + 2, 2);
+  d = fp16_to_fp32(d16);
+  dmin = fp16_to_fp32(m16);
+}
 
-// sub-block j's 6-bit scale and minimum of a Q4_K block's 12 scale bytes (ggml's order)
+// sub-block j's 6-bit scale and minimum of a Q4_K block's 12 scale bytes (ggml's order; the
+// CPU backend's kquant_scales, which is not exported from cpu/quants.cpp)
 void scale_min(const uint8_t* q, int j, int& sc, int& mn) {
   if (j < 4) {
     sc = q[j] & 63;
@@ -387,6 +394,7 @@ struct Problem {
   std::vector<uint8_t> w;    // [n_out][K / 256][144]
   std::vector<int32_t> X;    // [NX][K]: x's digits on its super-block's grid
   std::vector<float> xs;     // [NX][K / 256]: the grid steps
+  std::vector<int32_t> T;    // [NX][K / 32]: the sum of each 32-element run's digits
   std::vector<uint8_t> img;  // the kernel's shared-memory image
 };
 
@@ -404,7 +412,7 @@ Problem make_problem(int64_t K, int64_t n_out, int NX, uint64_t seed, bool extre
   pr.w.resize((size_t)(n_out * nsb * 144));
   for (int64_t b = 0; b < n_out * nsb; ++b) {
     uint8_t* blk = pr.w.data() + b * 144;
-    const uint16_t d = to_f16((float)(1e-3 * (0.5 + rng.uniform()))), dm = to_f16((float)(1e-3 * rng.uniform()));
+    const uint16_t d = fp32_to_fp16((float)(1e-3 * (0.5 + rng.uniform()))), dm = fp32_to_fp16((float)(1e-3 * rng.uniform()));
     std::memcpy(blk, &d, 2);
     std::memcpy(blk + 2, &dm, 2);
     for (int i = 4; i < 144; ++i) blk[i] = extreme ? 0xFF : (uint8_t)rng.next();
@@ -424,6 +432,8 @@ Problem make_problem(int64_t K, int64_t n_out, int NX, uint64_t seed, bool extre
       pr.xs[r * nsb + sb] = (float)step;
       for (int i = 0; i < 256; ++i) pr.X[r * K + 256 * sb + i] = (int32_t)std::nearbyint(x[r * K + 256 * sb + i] / step);
     }
+  pr.T.assign((size_t)(NX * K / 32), 0);
+  for (int64_t i = 0; i < NX * K; ++i) pr.T[i / 32] += pr.X[i];
   // the image: digit planes by segment and swizzled row, then per super-block the grid steps
   // and T's byte planes (sub-blocks 0..3, 4..7 as two words per plane and row)
   const size_t dig_bytes = (size_t)3 * S * NX * 16, meta_sb = (size_t)NX * (4 + 32);
@@ -441,8 +451,7 @@ Problem make_problem(int64_t K, int64_t n_out, int NX, uint64_t seed, bool extre
     for (int r = 0; r < NX; ++r) {
       std::memcpy(m + 4 * r, &pr.xs[r * nsb + sb], 4);
       for (int j = 0; j < 8; ++j) {
-        int32_t T = 0;
-        for (int i = 0; i < 32; ++i) T += pr.X[r * K + 256 * sb + 32 * j + i];
+        const int32_t T = pr.T[(r * K + 256 * sb) / 32 + j];
         for (int tp = 0; tp < 4; ++tp) m[4 * NX + ((tp * NX + r) * 2 + j / 4) * 4 + j % 4] = (uint8_t)(T >> (8 * tp));
       }
     }
@@ -458,17 +467,15 @@ std::vector<double> reference(const Problem& pr, int64_t rows) {
   for (int64_t o = 0; o < rows; ++o)
     for (int64_t sb = 0; sb < nsb; ++sb) {
       const uint8_t* blk = pr.w.data() + (o * nsb + sb) * 144;
-      uint16_t d16, m16;
-      std::memcpy(&d16, blk, 2);
-      std::memcpy(&m16, blk + 2, 2);
-      const double d = from_f16(d16), dmin = from_f16(m16);
+      float d, dmin;
+      block_d(blk, d, dmin);
       double wv[256];
       for (int j = 0; j < 8; ++j) {
         int sc, mn;
         scale_min(blk + 4, j, sc, mn);
         for (int i = 0; i < 32; ++i) {
           const uint8_t b = blk[16 + 32 * (j / 2) + i];
-          wv[32 * j + i] = d * sc * ((j & 1) ? b >> 4 : b & 15) - dmin * mn;
+          wv[32 * j + i] = (double)d * sc * ((j & 1) ? b >> 4 : b & 15) - (double)dmin * mn;
         }
       }
       for (int r = 0; r < pr.NX; ++r) {
@@ -499,10 +506,8 @@ std::vector<float> replay(const Problem& pr, int64_t rows, bool& overflow, bool 
       for (int64_t sb = 0; sb < nsb; ++sb) {
         float& acc = part[sb % 8];
         const uint8_t* blk = pr.w.data() + (o * nsb + sb) * 144;
-        uint16_t d16, m16;
-        std::memcpy(&d16, blk, 2);
-        std::memcpy(&m16, blk + 2, 2);
-        const float d = from_f16(d16), dmin = from_f16(m16);
+        float d, dmin;
+        block_d(blk, d, dmin);
         int64_t P[2][3] = {}, Nq[4] = {}, D[3] = {}, n64 = 0;
         for (int j = 0; j < 8; ++j) {
           int sc, mn;
@@ -547,14 +552,13 @@ void decode_inputs(const Problem& pr, int r, std::vector<uint8_t>& dig, std::vec
                    std::vector<int32_t>& tsum) {
   const int64_t K = pr.K, nsb = K / 256;
   dig.resize((size_t)(3 * K));
-  tsum.assign((size_t)(K / 32), 0);
   for (int64_t i = 0; i < K; ++i) {
     const int32_t v = pr.X[r * K + i];
     dig[i] = (uint8_t)(int8_t)(v >> 16);
     dig[K + i] = (uint8_t)(v >> 8);
     dig[2 * K + i] = (uint8_t)v;
-    tsum[i / 32] += v;
   }
+  tsum.assign(pr.T.begin() + r * K / 32, pr.T.begin() + (r + 1) * K / 32);
   xs.assign(pr.xs.begin() + r * nsb, pr.xs.begin() + (r + 1) * nsb);
 }
 
@@ -651,21 +655,26 @@ int main(int argc, char** argv) {
     SA_CHECK(cudaFuncSetAttribute(sa_kernel<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     const int64_t n_tiles = (n_out + tile_rows_n - 1) / tile_rows_n;
     const dim3 grid((unsigned)std::min<int64_t>(n_tiles, prop.multiProcessorCount));
-    std::vector<float> times;
     cudaEvent_t a, b;
     SA_CHECK(cudaEventCreate(&a));
     SA_CHECK(cudaEventCreate(&b));
-    for (int i = 0; i < reps + 1; ++i) {
-      SA_CHECK(cudaEventRecord(a));
-      sa_kernel<2><<<grid, 32 * kWarpsPerCta, smem>>>(p);
-      SA_CHECK(cudaEventRecord(b));
-      SA_CHECK(cudaEventSynchronize(b));
-      SA_CHECK(cudaGetLastError());
-      float ms = 0;
-      SA_CHECK(cudaEventElapsedTime(&ms, a, b));
-      if (i > 0) times.push_back(1e3f * ms);
-    }
-    std::sort(times.begin(), times.end());
+    // n launches after one untimed: their times in us, sorted
+    auto timed = [&](int n, auto launch) {
+      std::vector<float> t;
+      for (int i = 0; i < n + 1; ++i) {
+        SA_CHECK(cudaEventRecord(a));
+        launch();
+        SA_CHECK(cudaEventRecord(b));
+        SA_CHECK(cudaEventSynchronize(b));
+        SA_CHECK(cudaGetLastError());
+        float ms = 0;
+        SA_CHECK(cudaEventElapsedTime(&ms, a, b));
+        if (i > 0) t.push_back(1e3f * ms);
+      }
+      std::sort(t.begin(), t.end());
+      return t;
+    };
+    const std::vector<float> times = timed(reps, [&] { sa_kernel<2><<<grid, 32 * kWarpsPerCta, smem>>>(p); });
     std::vector<float> got(rep.size());
     SA_CHECK(cudaMemcpy(got.data(), dy, sizeof(float) * got.size(), cudaMemcpyDeviceToHost));
     const size_t differ = unlike(got, rep, n_out, check);
@@ -694,19 +703,10 @@ int main(int argc, char** argv) {
       dp.xs = dxs;
       dp.tsum = dts;
       dp.y = dy + r * n_out;  // (the verify's outputs are already copied back)
-      for (int i = 0; i < (r == 0 ? reps + 1 : 1); ++i) {
-        SA_CHECK(cudaEventRecord(a));
-        sa_decode_kernel<<<(unsigned)((n_out + 7) / 8), 256>>>(dp);
-        SA_CHECK(cudaEventRecord(b));
-        SA_CHECK(cudaEventSynchronize(b));
-        SA_CHECK(cudaGetLastError());
-        float ms = 0;
-        SA_CHECK(cudaEventElapsedTime(&ms, a, b));
-        if (r == 0 && i > 0) dtimes.push_back(1e3f * ms);
-      }
+      const std::vector<float> t = timed(r == 0 ? reps : 0, [&] { sa_decode_kernel<<<(unsigned)((n_out + 7) / 8), 256>>>(dp); });
+      if (r == 0) dtimes = t;
     }
     SA_CHECK(cudaMemcpy(dec.data(), dy, sizeof(float) * dec.size(), cudaMemcpyDeviceToHost));
-    std::sort(dtimes.begin(), dtimes.end());
     const size_t dec_vs_verify = unlike(dec, got, n_out, n_out);
     const double us = times[times.size() / 2], bytes = (double)pr.w.size(), dus = dtimes[dtimes.size() / 2];
     std::printf(", \"device\": \"%s\", \"sms\": %d, \"warps_per_cta\": %d, \"ctas\": %u, \"median_us\": %.2f, "
