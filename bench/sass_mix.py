@@ -41,6 +41,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import gguf
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -179,18 +181,15 @@ def parse_res_usage(text: str) -> dict[str, dict[str, int]]:
 
 def demangle(names: list[str]) -> dict[str, str]:
     """Mangled -> readable names (c++filt where there is one), shortened: namespaces and the
-    anonymous namespace dropped, the GgmlType casts kept as their names."""
+    anonymous namespace dropped, the GgmlType casts as the types' GGUF names."""
     readable = dict(zip(names, names))
     if shutil.which("c++filt") and names:
         out = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True).stdout.splitlines()
         if len(out) == len(names):
             readable = dict(zip(names, out))
-    types = {"(specd::GgmlType)8": "Q8_0", "(specd::GgmlType)12": "Q4_K", "(specd::GgmlType)14": "Q6_K",
-             "(specd::GgmlType)1": "F16", "(specd::GgmlType)30": "BF16"}
     short = {}
     for k, v in readable.items():
-        for a, b in types.items():
-            v = v.replace(a + ",", b + ",").replace(a + ">", b + ">")
+        v = re.sub(r"\(specd::GgmlType\)(\d+)", lambda m: gguf.GGMLQuantizationType(int(m.group(1))).name, v)
         v = re.sub(r"\(anonymous namespace\)::", "", v).replace("specd::gpu::", "").replace("specd::", "")
         short[k] = re.sub(r"\(.*\)$", "", v).replace("void ", "")
     return short
